@@ -4,8 +4,10 @@ Measured in one process on one device (GPU when there is one), with the recipe's
     bare       a plain training loop written without the harness (nn.Embedding + RMSNorm, RoPE, SDPA, SwiGLU,
                untied head, bf16 autocast on CUDA), same initial weights and batches as the harness: ms/step
     harness    one arm through `run_arm` (reference kernels, SGD, Lightning, per-step metrics, evaluations,
-               snapshots): steady ms/step from two runs of different lengths, and end-to-end tokens/s
-    lockstep   the same arm with the lockstep check on fused_embed_rmsnorm (candidate: the demo): extra ms/step
+               snapshots): steady ms/step from the arm's own timings (between its first and last metrics flush,
+               both device syncs), its one-time costs, and end-to-end tokens/s
+    lockstep   the same arm with the lockstep check on fused_embed_rmsnorm every `ab.lockstep_every` steps
+               (candidate: a fast correct kernel, so the figure is the check's cost): extra ms/step
     soak       with --soak, the wall time of the default `divergence ab --kernel fused_embed_rmsnorm` on the recipe
 Model FLOPs per step (NOTES' convention): 6 * N * tokens + 12 * n_layers * d_model * seq_len * tokens, N = every
 parameter (embedding and head included), attention counted without a causal discount. At the h200 recipe that is
@@ -15,7 +17,7 @@ The bare model keeps the harness's precision choices (RMSNorm, RoPE, SwiGLU and 
 the bf16 autocast), so that the gap measures the harness (Lightning, slot dispatch, metrics), not numerics choices;
 its loss at step 0 must equal the harness's (same weights, same batch), which the JSON records as a check.
 
-    python -m divergence.bench [--recipe h200] [--steps 400] [--soak] [--compile] [--out bench.json]
+    python -m divergence.bench [--recipe h200] [--steps 400] [--soak] [--compile] [--profile DIR] [--out bench.json]
 """
 from __future__ import annotations
 
@@ -207,7 +209,9 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, compile_m
 
 
 def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) -> dict:
-    """One arm of `steps` SGD steps through run_arm; wall time of trainer.fit as run_arm measures it."""
+    """One arm of `steps` SGD steps through run_arm, in this process. Its steady ms/step comes from the arm's own
+    timings (between the first and last metrics flush, each a device sync): evaluations, snapshots, metrics and
+    lockstep included, one-time costs (Lightning's set-up, the first steps, the final evaluation) not."""
     from .recipe import recipe_from_dict
     from .train.arm import ArmSpec, run_arm
     from .train.metrics import read_metrics
@@ -224,7 +228,13 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
         raise RuntimeError(f"bench arm {name} ended {info['status']}: {info.get('error') or info.get('stop_where')}")
     rows = read_metrics(out / "metrics.jsonl")
     losses = [row["loss"] for row in rows if "loss" in row]
+    t = info["timings"]
+    if "steady_ms_per_step" not in t:
+        raise SystemExit(f"bench: {steps} steps give no steady window (metrics are flushed every 25 steps on a "
+                         "GPU); use --steps 50 or more")
     res = {"steps": steps, "wall_s": info["wall_s"], "tokens_per_s_end_to_end": info["tokens_per_s"],
+           "ms_per_step": t["steady_ms_per_step"], "steady_steps": t["steady_steps"], "timings": t,
+           "fixed_s": info["wall_s"] - 1e-3 * t["steady_ms_per_step"] * steps,
            "loss_step0": losses[0], "loss_last": losses[-1]}
     if lockstep:
         res["lockstep"] = {k: info.get("lockstep", {}).get(k) for k in ("candidate", "checked_steps", "wrong")}
@@ -254,6 +264,33 @@ def soak(recipe, out_dir: Path) -> dict:
     return {"command": " ".join(cmd), "wall_s": wall, "exit_code": rc, "verdict": verdict,
             "arms": len(recipe.ab.optimizers) * (2 + recipe.ab.nulls), "steps_per_arm": recipe.train.steps,
             "log": str(out_dir / "soak.log")}
+
+
+def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, lockstep_candidate: str, steps=30):
+    """Where the time goes, for a developer: torch.profiler tables (top ops by device time) of the bare loop and
+    of a harness arm with lockstep, and a cProfile of that arm (Python-side and one-time costs)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    with torch_profile(activities=acts) as prof:
+        bare_loop(recipe, corpus, vocab, device, precision, steps, 2)
+    (out / "profile_bare.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+    pr = cProfile.Profile()
+    with torch_profile(activities=acts) as prof:
+        pr.enable()
+        harness_arm(recipe, corpus, steps, work, "profiled", lockstep={"fused_embed_rmsnorm": lockstep_candidate})
+        pr.disable()
+    (out / "profile_harness.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(60)
+    (out / "profile_harness_py.txt").write_text(buf.getvalue())
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -295,13 +332,25 @@ def _rate(ms_per_step, tokens, flops, peak) -> dict:
             "mfu": tflops / peak if peak else None}
 
 
+def default_lockstep_candidate(device: str) -> str:
+    """A fast, correct kernel, so that the lockstep figure is the check's cost (clone, float64 oracle, per-bucket
+    errors), not a slow candidate's: the Triton fp32 kernel on CUDA, the sort/segment one on CPU."""
+    if device == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            return "zoo:triton_embed_fp32"
+        except ImportError:
+            pass
+    return "zoo:embed_sort_segment"
+
+
 def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep_candidate=None, do_soak=False,
-              compile_model=False, peak=None, out=None, workdir=None, log=print) -> dict:
+              compile_model=False, peak=None, out=None, workdir=None, profile_dir=None, log=print) -> dict:
     from .cli import quiet_lightning
     from .data import load_corpus
     from .recipe import load_recipe
     from .train.arm import model_vocab, resolve_device, resolve_precision
-    from .zoo import DEMO
 
     import lightning.pytorch  # noqa: F401  (imported first: it sets its loggers' levels on import)
 
@@ -312,9 +361,8 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
     device = resolve_device(recipe)
     precision = resolve_precision(recipe, device)
     steps = steps or (min(recipe.train.steps, 400) if device == "cuda" else min(recipe.train.steps, 20))
-    short = max(1, steps // 4)
-    if steps - short < 1:
-        raise SystemExit(f"--steps must be at least 2 (two harness runs of different lengths), got {steps}")
+    if steps < 2:
+        raise SystemExit(f"--steps must be at least 2 (the steady rate is taken between two flushes), got {steps}")
     warmup = warmup if warmup is not None else max(2, min(20, steps // 10))
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
@@ -341,21 +389,22 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
     tmp = tempfile.TemporaryDirectory(prefix="divergence-bench-", dir=workdir)
     work = Path(tmp.name)
     try:
-        log(f"  harness arm: {short} and {steps} steps ...")
-        a = harness_arm(recipe, corpus, short, work, "short")
-        b = harness_arm(recipe, corpus, steps, work, "long")
-        ms = 1e3 * (b["wall_s"] - a["wall_s"]) / (steps - short)
-        res["harness"] = {**b, "short_steps": short, "short_wall_s": a["wall_s"], "ms_per_step": ms,
-                          **_rate(ms, tokens, flops, peak), "vs_bare": ms / bare["ms_per_step"]}
+        log(f"  harness arm: {steps} steps ...")
+        h = harness_arm(recipe, corpus, steps, work, "plain")
+        res["harness"] = {**h, **_rate(h["ms_per_step"], tokens, flops, peak),
+                          "vs_bare": bare["ms_per_step"] / h["ms_per_step"]}
         if lockstep:
-            cand = lockstep_candidate or f"zoo:{DEMO['fused_embed_rmsnorm']}"
+            cand = lockstep_candidate or default_lockstep_candidate(device)
             log(f"  harness arm with lockstep on fused_embed_rmsnorm ({cand}), every "
                 f"{recipe.ab.lockstep_every} step(s): {steps} steps ...")
             c = harness_arm(recipe, corpus, steps, work, "lockstep", lockstep={"fused_embed_rmsnorm": cand})
-            extra = 1e3 * (c["wall_s"] - b["wall_s"]) / steps
+            extra = c["ms_per_step"] - h["ms_per_step"]
             res["lockstep"] = {**c, "candidate_spec": cand, "every": recipe.ab.lockstep_every,
-                               "extra_ms_per_step": extra, "overhead": extra / ms if ms > 0 else None,
-                               "ms_per_step": ms + extra}
+                               "extra_ms_per_step": extra, "overhead": extra / h["ms_per_step"]}
+        if profile_dir:
+            log(f"  profiles (torch.profiler, cProfile) into {profile_dir} ...")
+            profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir), lockstep_candidate or
+                    default_lockstep_candidate(device))
     finally:
         tmp.cleanup()
     if do_soak:
@@ -380,14 +429,14 @@ def format_table(res: dict) -> str:
     lines = ["", f"{res['recipe']}: {res['n_params'] / 1e6:.1f}M parameters, {res['shape']['tokens_per_step']:,} "
                  f"tokens/step, {res['flops_per_step'] / 1e12:.3g} TFLOP/step (6·N·tokens + attention), "
                  f"{res['env'].get('gpu', res['env']['device'])}, torch {res['env']['torch']}",
-             f"| {'loop':<36} | {'steps':>5} | {'ms/step':>8} | {'tokens/s':>8} | {'TFLOP/s':>8} | {'MFU':>6} |",
-             f"|{'-' * 38}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 8}|"]
+             f"| {'loop':<44} | {'steps':>5} | {'ms/step':>8} | {'tokens/s':>8} | {'TFLOP/s':>8} | {'MFU':>6} |",
+             f"|{'-' * 46}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 8}|"]
 
     def row(label, r, ms=None):
         ms = r["ms_per_step"] if ms is None else ms
         tflops = res["flops_per_step"] / (ms * 1e-3) / 1e12
         mfu = f"{100 * tflops / res['peak_tflops']:.1f}%" if res["peak_tflops"] else "-"
-        lines.append(f"| {label:<36} | {r['steps']:>5} | {ms:>8.2f} | "
+        lines.append(f"| {label:<44} | {r['steps']:>5} | {ms:>8.2f} | "
                      f"{_fmt_rate(res['shape']['tokens_per_step'] / (ms * 1e-3)):>8} | {tflops:>8.3g} | {mfu:>6} |")
 
     row("bare PyTorch loop, eager", res["bare"])
@@ -396,17 +445,22 @@ def format_table(res: dict) -> str:
     h = res.get("harness")
     if h:
         row("harness arm (run_arm), steady", h)
-        row("harness arm, end to end", h, ms=1e3 * h["wall_s"] / h["steps"])
+        row("harness arm, end to end (in process)", h, ms=1e3 * h["wall_s"] / h["steps"])
     ls = res.get("lockstep")
     if ls:
-        row(f"harness arm + lockstep (every {ls['every']})", ls)
+        row(f"harness arm + lockstep (every {ls['every']}), steady", ls)
     if h:
-        lines.append(f"harness vs bare: {h['vs_bare']:.2f}x the bare loop's time per step")
+        t = h["timings"]
+        lines.append(f"harness vs bare: {h['vs_bare']:.2f}x the bare loop's tokens/s (steady); one-time cost "
+                     f"{h['fixed_s']:.1f} s (set-up {t.get('setup_s', 0):.1f} s, Lightning to first step "
+                     f"{t.get('fit_start_s', 0):.1f} s, final evaluation {t.get('finish_s', 0):.1f} s); "
+                     f"{t['evals']} evaluations {t['eval_s']:.2f} s, {t['snapshots']} snapshots "
+                     f"{t['snapshot_s']:.2f} s")
         lines.append(f"loss at step 0 (same weights, same batch): bare {res['bare']['loss_step0']:.5f}, "
                      f"harness {h['loss_step0']:.5f}")
     if ls:
-        lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}): +{ls['extra_ms_per_step']:.2f} "
-                     f"ms/step ({100 * ls['overhead']:+.0f}% of the harness step)")
+        lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}): {ls['extra_ms_per_step']:+.2f} "
+                     f"ms/step ({100 * ls['overhead']:+.1f}% of the harness step)")
     if res.get("soak"):
         s = res["soak"]
         lines.append(f"soak (divergence ab, {s['arms']} arms x {s['steps_per_arm']} steps): {s['wall_s']:.0f} s, "
@@ -429,6 +483,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, help="the device's bf16 peak, for MFU (default: data sheet)")
     ap.add_argument("--out", help="JSON output (default results/bench-<recipe>-<time>.json)")
     ap.add_argument("--workdir", help="where the harness arms write (a temporary folder inside, removed after)")
+    ap.add_argument("--profile", metavar="DIR", help="also write torch.profiler and cProfile tables of 30 steps")
     args = ap.parse_args(argv)
     recipe_name = args.recipe or default_recipe_name()
     out = args.out or os.path.join("results", f"bench-{Path(recipe_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -437,7 +492,7 @@ def main(argv=None) -> int:
     try:
         run_bench(recipe_name, steps=args.steps, warmup=args.warmup, lockstep=not args.no_lockstep,
                   lockstep_candidate=args.lockstep_candidate, do_soak=args.soak, compile_model=args.compile,
-                  peak=args.peak_tflops, out=out, workdir=args.workdir)
+                  peak=args.peak_tflops, out=out, workdir=args.workdir, profile_dir=args.profile)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

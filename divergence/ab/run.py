@@ -58,11 +58,12 @@ def cmd_ab(args) -> int:
             raise UserError("--kernel: which slot? known: " + ", ".join(SLOTS))
         if slot not in SLOTS:
             raise UserError(f"--kernel: unknown slot {slot!r}; known: {', '.join(SLOTS)}")
-        cand = args.candidate or demo_candidate(slot)
+        cand = args.candidate
         recipe_src = args.recipe or default_recipe_name()
         overrides = {"seed": args.seed} if args.seed is not None else {}
         opts = None
     recipe = load_recipe(recipe_src, overrides)
+    cand = cand or demo_candidate(slot, resolve_device(recipe))
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)
         for o in opts:
@@ -103,12 +104,13 @@ def cmd_ab(args) -> int:
     return {"PASS": 0, "ERROR": 2}.get(result["verdict"], 1)
 
 
-def demo_candidate(slot: str) -> str:
-    from ..zoo import DEMO
+def demo_candidate(slot: str, device: str = "cpu") -> str:
+    from ..zoo import demo
 
-    if slot not in DEMO:
+    name = demo(slot, device)
+    if name is None:
         raise UserError(f"--candidate: slot {slot!r} has no demo candidate; pass one (zoo:NAME, a file, ...)")
-    return f"zoo:{DEMO[slot]}"
+    return f"zoo:{name}"
 
 
 def _preflight(slot, cand, out):

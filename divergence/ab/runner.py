@@ -65,7 +65,7 @@ def arm_status(out_dir: Path):
         return None
 
 
-def _child(recipe, spec, out_dir, corpus, gpu=None):
+def _child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
     if gpu is not None:  # before CUDA starts in this process: the arm sees one GPU, as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Own process group, so a kill reaches whatever the candidate started; quiet progress bars, one thread.
@@ -78,7 +78,8 @@ def _child(recipe, spec, out_dir, corpus, gpu=None):
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
     from ..train.arm import run_arm
 
-    run_arm(recipe, spec, out_dir, corpus=corpus, progress=False)
+    boot = time.time() - t_start if t_start else None  # process start, imports, unpickling the arguments
+    run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot)
 
 
 def _progress_mark(out_dir: Path):
@@ -138,7 +139,8 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
             gpu = gpus[started % len(gpus)] if len(gpus) > 1 else None  # spread arms over every GPU
             started += 1
             proc = ctx.Process(target=_child, args=(job.recipe or recipe, job.spec, str(job.out_dir),
-                                                    corpus if device != "cuda" else None, gpu), daemon=False)
+                                                    corpus if device != "cuda" else None, gpu, time.time()),
+                               daemon=False)
             proc.start()
             now = time.time()
             running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (False, -1)]

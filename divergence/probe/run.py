@@ -295,24 +295,25 @@ def verdict_line(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------- command
 
 
-def default_candidate(slot: str) -> str:
-    """The slot's demo zoo member (divergence.zoo.DEMO), as `make probe` runs it without CANDIDATE."""
+def default_candidate(slot: str, device: str = "cpu") -> str:
+    """The slot's demo zoo member (divergence.zoo.demo), as `make probe` runs it without CANDIDATE."""
     from ..slots import SLOTS
-    from ..zoo import DEMO
+    from ..zoo import demo
 
     if slot not in SLOTS:
         raise UserError(f"--kernel: unknown slot {slot!r}; known: {', '.join(SLOTS)}")
-    if slot not in DEMO:
+    name = demo(slot, device)
+    if name is None:
         raise UserError(f"--candidate: slot {slot!r} has no demo candidate; pass one (zoo:NAME, a file, "
                         "pkg.module:function, reference, null-1, ...)")
-    return f"zoo:{DEMO[slot]}"
+    return f"zoo:{name}"
 
 
 def command(kernel: str, candidate: Optional[str], seed: Optional[int], out: Optional[str], device: Optional[str],
             only: Optional[list] = None) -> int:
     """`divergence probe`: prints the seed, the findings table, notes and a last line with the verdict; returns
     0 (pass) or 1 (findings). Bad input raises UserError (exit 2)."""
-    spec = candidate or default_candidate(kernel)
+    spec = candidate or default_candidate(kernel, resolve_device(device))
     if out is None:
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"

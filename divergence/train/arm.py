@@ -19,6 +19,9 @@ from .metrics import write_json
 from .recorder import ArmStopped, Recorder
 
 
+EVAL_VALUES = 1 << 22  # log-probabilities kept per evaluation (positions x vocabulary)
+
+
 @dataclass
 class ArmSpec:
     name: str  # reference | candidate | null-1 | ... (the wandb job_type too)
@@ -59,13 +62,15 @@ def model_vocab(recipe, corpus) -> int:
     return v
 
 
-def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool] = None) -> dict:
+def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool] = None,
+            boot_s: Optional[float] = None) -> dict:
     """Train one arm to the end (or to the first NaN); returns and writes its `arm.json`."""
     import lightning.pytorch as pl
 
     from ..data import Batches, load_corpus
     from .module import ArmModule
 
+    t_enter = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(recipe.train.threads)
@@ -76,7 +81,10 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     batches = Batches(corpus.train, recipe.train.batch_size, recipe.model.seq_len, recipe.seed)
     val = Batches(corpus.val, recipe.train.batch_size, recipe.model.seq_len, recipe.seed)
     val_batches = [val.fixed(i) for i in range(recipe.train.val_batches)]
-    eval_x = val.fixed(0)[0][:4]  # fixed evaluation batch for log-probability KL between arms
+    # Fixed sequences for the log-probability KL between arms, saved in fp32 at every evaluation: up to 4, fewer
+    # where 4 would pass 2^22 values per file (h200 recipe: 1 sequence, 16 MiB; 4 were 64 MiB x 11 evaluations
+    # x 12 arms = 8.8 GB written and read back per A/B).
+    eval_x = val.fixed(0)[0][:max(1, min(4, EVAL_VALUES // (recipe.model.seq_len * vocab)))]
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
             "vocab_size": vocab, "env": environment(device), "status": "RUNNING"}
@@ -96,9 +104,15 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
         use_distributed_sampler=False,
     )
     t0 = time.time()
+    rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
+    if boot_s is not None:
+        rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
+    rec.t["fit_called"] = time.perf_counter()
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps))
+        t_fin = time.perf_counter()
         rec.finish(module)
+        rec.t["finish_s"] = time.perf_counter() - t_fin
         info["status"] = "OK"
     except ArmStopped as e:
         rec.writer.close()
@@ -109,6 +123,9 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
                     traceback=traceback.format_exc()[-4000:])
     info["wall_s"] = time.time() - t0
     info["tokens_per_s"] = recipe.tokens_per_step * max(0, module.step_no) / max(1e-9, info["wall_s"])
+    info["timings"] = rec.timings()
+    if "steady_ms_per_step" in info["timings"]:
+        info["tokens_per_s_steady"] = recipe.tokens_per_step / (1e-3 * info["timings"]["steady_ms_per_step"])
     if lockstep is not None:
         info["lockstep"] = lockstep.summary()
     write_json(out / "arm.json", info)

@@ -6,6 +6,7 @@ would stall a GPU arm on every step.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,10 @@ class Recorder:
         self.lockstep = None  # a Lockstep attaches itself here; its metrics join each step's row
         self.current_step = 0
         self.pending_val = None  # validation loss taken before the current step, joined to its row
+        # Where an arm's time goes (arm.json `timings`): evaluations, snapshots, and the steady rate between the
+        # first and last flush (each flush syncs the device, so those two instants are real, not launch times).
+        self.t = {"eval_s": 0.0, "snapshot_s": 0.0, "evals": 0, "snapshots": 0}
+        self.sync_points = []  # (steps done, perf_counter) at each flush
 
     def watch_nonfinite(self, kernels):
         """Flag non-finite outputs of non-reference implementations (device-side flags, no sync per call)."""
@@ -61,6 +66,8 @@ class Recorder:
 
     def before_step(self, module, step: int):
         self.current_step = step
+        if "fit_start_s" not in self.t and "fit_called" in self.t:
+            self.t["fit_start_s"] = time.perf_counter() - self.t.pop("fit_called")  # Lightning's set-up, to device
         val = None
         if step % self.recipe.train.val_every == 0:
             val = self._eval(module, step)
@@ -69,13 +76,19 @@ class Recorder:
         self.pending_val = val
 
     def _eval(self, module, step: int) -> float:
+        t0 = time.perf_counter()
         val = module.evaluate(self.val_batches)
         logp = module.eval_logprobs(self.eval_x)
         np.save(self.out / "evals" / f"logp_{step:06d}.npy", logp.cpu().numpy())
+        self.t["eval_s"] += time.perf_counter() - t0
+        self.t["evals"] += 1
         return val
 
     def _snapshot(self, module, step: int):
+        t0 = time.perf_counter()
         np.save(self.out / "snapshots" / f"embed_{step:06d}.npy", module.model.embed.detach().float().cpu().numpy())
+        self.t["snapshot_s"] += time.perf_counter() - t0
+        self.t["snapshots"] += 1
 
     def after_step(self, module, step, loss, gnorm, ratio, lr):
         self.pending.append((step, loss, gnorm, ratio, lr, self.pending_val))
@@ -85,7 +98,8 @@ class Recorder:
     def flush(self):
         if not self.pending:
             return
-        losses = torch.stack([p[1].float() for p in self.pending]).cpu().tolist()
+        losses = torch.stack([p[1].float() for p in self.pending]).cpu().tolist()  # the sync
+        self.sync_points.append((self.pending[-1][0] + 1, time.perf_counter()))
         gn = torch.stack([p[2] for p in self.pending]).cpu().tolist()
         ur = torch.stack([p[3] for p in self.pending]).cpu().tolist()
         flags = {s: bool(f) for s, f in self.nonfinite.items()}
@@ -118,6 +132,17 @@ class Recorder:
             if not math.isfinite(v):
                 return ArmStopped("NAN", step, f"{k} gradient")
         return None
+
+    def timings(self) -> dict:
+        """Seconds in evaluations and snapshots, and the steady step time between the first and the last flush
+        (evaluations, snapshots and lockstep included: everything the harness does per step, nothing done once)."""
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.t.items() if k != "fit_called"}
+        if len(self.sync_points) >= 2:
+            (s0, t0), (s1, t1) = self.sync_points[0], self.sync_points[-1]
+            if s1 > s0:
+                out["steady_ms_per_step"] = 1e3 * (t1 - t0) / (s1 - s0)
+                out["steady_steps"] = s1 - s0
+        return out
 
     def finish(self, module):
         """State after the last update: a last validation row and snapshot."""

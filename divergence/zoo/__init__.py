@@ -92,6 +92,26 @@ DEMO: dict = {
 }
 
 
+# On a CUDA device with Triton the demo is the real GPU kernel (the story's kernel was a GPU kernel); the CPU
+# members above model the same bugs where there is no GPU.
+DEMO_GPU: dict = {
+    "fused_embed_rmsnorm": "triton_embed_bf16",
+    "attn_softcap": "triton_softcap_omitted",
+}
+
+
+def demo(slot: str, device: str = "cpu"):
+    """The zoo member a demo runs for `slot` on `device` ('cpu' or 'cuda'), or None if the slot has none."""
+    if device == "cuda" and slot in DEMO_GPU:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return DEMO_GPU[slot]
+    return DEMO.get(slot)
+
+
 def zoo_path(name: str) -> Path:
     return ZOO_DIR / f"{name}.py"
 
