@@ -57,6 +57,7 @@ class Lockstep:
         self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
         self.mutation = {}  # input name -> device flag: did the candidate write into it (no sync per step)
         self.error = None  # the candidate raised on live inputs: recorded once, checking stops
+        self.floors = {}  # (floor, device) -> float64 scalar tensor
         kernels.add_tap(self.tap, [self.slot])
         recorder.lockstep = self
 
@@ -96,8 +97,10 @@ class Lockstep:
             first_c, first_r = _rel(cand[0], orc[0]), _rel(ref_out[0], orc[0])
         err_c = torch.stack([first_c] + [_rel(c, o) for c, o in zip(cand[1:], orc[1:])]).max()
         err_r = torch.stack([first_r] + [_rel(r, o) for r, o in zip(ref_out[1:], orc[1:])]).max()
+        if (floor, dev) not in self.floors:  # once: a blocking host-to-device copy per step would sync the GPU
+            self.floors[(floor, dev)] = torch.tensor(floor, dtype=torch.float64, device=dev)
         row.update({"lockstep/err_candidate": err_c, "lockstep/err_reference": err_r,
-                    "lockstep/floor": torch.tensor(floor, dtype=torch.float64, device=dev)})
+                    "lockstep/floor": self.floors[(floor, dev)]})
         if self.slot == "attn_softcap":
             x = inputs[0]
             row["lockstep/max_abs_input"] = x.masked_fill(torch.isinf(x), 0).abs().max().to(torch.float64)

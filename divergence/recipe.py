@@ -119,7 +119,7 @@ class ABConfig:
     nulls: int = 2  # null arms per optimizer (equally-correct kernels that round differently)
     margin: float = 3.0  # candidate flagged when its distance exceeds margin x the largest null distance ...
     window: int = 3  # ... for this many consecutive compared points
-    workers: int = 0  # arms run at once; 0 = one per CPU core (capped at 4) or 4 on a GPU
+    workers: int = 0  # arms at once: per GPU on CUDA (0 = 4), in all on CPU (0 = one per train.threads cores, <= 4)
     step_timeout_s: float = 120.0  # a step slower than this ends the arm with TIMEOUT
     arm_timeout_s: float = 3600.0  # an arm longer than this ends with TIMEOUT
     lockstep_every: int = 1  # run the candidate beside the reference on live inputs every N steps (0 = off)

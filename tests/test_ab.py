@@ -81,3 +81,12 @@ def test_exit_code_2_for_bad_input(tmp_path, capsys):
     assert ab(tmp_path / "x", "--candidate", str(tmp_path / "missing.py")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "missing.py" in err and "\n" not in err
+
+
+def test_new_arms_go_to_the_least_busy_gpu():
+    from divergence.ab.runner import _least_busy
+
+    running = {"a": [None] * 5 + ["0"], "b": [None] * 5 + ["0"], "c": [None] * 5 + ["1"]}
+    assert _least_busy(["0", "1", "2"], running) == "2"
+    running["d"] = [None] * 5 + ["2"]
+    assert _least_busy(["0", "1", "2"], running) == "1"

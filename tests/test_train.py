@@ -61,3 +61,36 @@ def test_crashing_candidate_is_a_crash_not_a_harness_error(tmp_path):
     bad.write_text("def run(gate, up):\n    raise RuntimeError('illegal memory access (simulated)')\n")
     info, _ = _run(tmp_path, "boom", "sgd", kernels={"swiglu": str(bad)}, steps=5)
     assert info["status"] == "CRASH" and "illegal memory access" in info["error"]
+
+
+def test_adafactor_matches_torch_without_syncs():
+    """Our sync-free Adafactor is torch.optim.Adafactor's algorithm: same parameters after 20 steps (matrices,
+    vectors and a 3-D tensor; weight decay on), to fp32 rounding."""
+    import torch
+
+    from divergence.train.adafactor import Adafactor
+
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 32, generator=gen), torch.randn(32, generator=gen), torch.randn(4, 8, 16, generator=gen)]
+    ours = [p.clone().requires_grad_() for p in start]
+    theirs = [p.clone().requires_grad_() for p in start]
+    oa, ob = Adafactor(ours, lr=1e-2, weight_decay=0.1), torch.optim.Adafactor(theirs, lr=1e-2, weight_decay=0.1)
+    for _ in range(20):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        oa.step()
+        ob.step()
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+    assert any(not torch.equal(a.detach(), s) for a, s in zip(ours, start))  # it did move the parameters
+
+
+def test_arm_records_where_its_time_goes(tmp_path):
+    info, _ = _run(tmp_path, "timed", "sgd", steps=10, val_every=4)
+    t = info["timings"]
+    assert info["status"] == "OK"
+    assert t["steady_steps"] == 9 and t["steady_ms_per_step"] > 0  # CPU arms flush every step
+    assert t["evals"] == 4  # steps 0, 4, 8, and the last one in on_train_end
+    assert t["finish_s"] > 0 and t["setup_s"] > 0 and t["fit_start_s"] >= 0
+    assert info["tokens_per_s_steady"] > 0

@@ -25,12 +25,14 @@ SCHEMA_VERSION = 1
 
 
 def _workers(recipe, device: str) -> int:
+    """Arms at once: on CUDA `ab.workers` per visible GPU (default 4: small arms share an H200 well, NOTES: +12%
+    throughput from four); on CPU `ab.workers` in all (default: one per `train.threads` cores, at most 4)."""
+    if device == "cuda":
+        from .runner import visible_gpus
+
+        return (recipe.ab.workers or 4) * max(1, len(visible_gpus()))
     if recipe.ab.workers:
         return recipe.ab.workers
-    if device == "cuda":
-        import torch
-
-        return 4 * max(1, torch.cuda.device_count())  # four small arms share one H200 well (NOTES: +12%)
     return max(1, min(4, (os.cpu_count() or 1) // recipe.train.threads))
 
 

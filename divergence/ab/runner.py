@@ -91,7 +91,7 @@ def _progress_mark(out_dir: Path):
 def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
     """Run every job not already finished; returns {key: arm info}. Finished arms (from --resume) are kept."""
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
-    gpus = _visible_gpus() if device == "cuda" else []
+    gpus = visible_gpus() if device == "cuda" else []
     if device != "cuda":
         # Import once here so every forked arm inherits it: `import lightning.pytorch` alone takes 5-20 s on
         # these 2-core machines, more than a tiny arm's whole training.
@@ -116,7 +116,6 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
 def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, on_done, stop):
     step_to = recipe.ab.step_timeout_s
     arm_to = recipe.ab.arm_timeout_s
-    started = 0
 
     def retire(job, st):
         """A finished arm; a lockstep reference that the candidate took down is queued again without it."""
@@ -136,17 +135,16 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
             Path(job.out_dir).mkdir(parents=True, exist_ok=True)
             for stale in ("arm.json", "metrics.jsonl"):  # an interrupted attempt starts over
                 Path(job.out_dir, stale).unlink(missing_ok=True)
-            gpu = gpus[started % len(gpus)] if len(gpus) > 1 else None  # spread arms over every GPU
-            started += 1
+            gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
             proc = ctx.Process(target=_child, args=(job.recipe or recipe, job.spec, str(job.out_dir),
                                                     corpus if device != "cuda" else None, gpu, time.time()),
                                daemon=False)
             proc.start()
             now = time.time()
-            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (False, -1)]
+            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (False, -1), gpu]
         time.sleep(0.05)
         for key in list(running):
-            job, proc, t0, deadline, mark = running[key]
+            job, proc, t0, deadline, mark, _ = running[key]
             now = time.time()
             if proc.is_alive():
                 m = _progress_mark(job.out_dir)
@@ -173,7 +171,17 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
             retire(job, st)
 
 
-def _visible_gpus() -> list:
+def _least_busy(gpus: list, running: dict) -> str:
+    """The GPU with the fewest running arms (first in order on a tie): arms end at different times, so a plain
+    round-robin would stack new arms onto a GPU whose arms are still running."""
+    load = {g: 0 for g in gpus}
+    for entry in running.values():
+        if entry[5] in load:
+            load[entry[5]] += 1
+    return min(gpus, key=lambda g: load[g])
+
+
+def visible_gpus() -> list:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env:
         return [g.strip() for g in env.split(",") if g.strip()]

@@ -23,7 +23,9 @@ def _rotate_half(x):
 
 
 def _rope(q, k, position_ids, inv_freq, dtype):
-    freqs = position_ids.to(dtype)[..., None] * inv_freq.to(dtype)  # (B, S, hd/2)
+    if position_ids.dim() == 2 and position_ids.stride(0) == 0:
+        position_ids = position_ids[:1]  # one row expanded over the batch (the model's arange): the same values
+    freqs = position_ids.to(dtype)[..., None] * inv_freq.to(dtype)  # (B or 1, S, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, S, hd)
     cos, sin = emb.cos(), emb.sin()
     qf, kf = q.to(dtype), k.to(dtype)

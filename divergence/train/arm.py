@@ -4,6 +4,7 @@ Its folder holds `arm.json` (what ran and how it ended), `metrics.jsonl`, `snaps
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 import traceback
@@ -51,6 +52,7 @@ def environment(device: str) -> dict:
            "host": platform.node(), "threads": torch.get_num_threads()}
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
+        env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # which GPU of the host ran the arm
     return env
 
 
@@ -109,10 +111,9 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
         rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
     rec.t["fit_called"] = time.perf_counter()
     try:
-        trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps))
-        t_fin = time.perf_counter()
-        rec.finish(module)
-        rec.t["finish_s"] = time.perf_counter() - t_fin
+        trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
+        if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
+            raise RuntimeError(f"training stopped at step {module.step_no} of {recipe.train.steps}")
         info["status"] = "OK"
     except ArmStopped as e:
         rec.writer.close()
@@ -141,6 +142,8 @@ class _StepBatches(torch.utils.data.IterableDataset):
             yield self.batches.get(step)
 
 
-def _loader(batches, steps):
-    return torch.utils.data.DataLoader(_StepBatches(batches, steps), batch_size=None, num_workers=0)
+def _loader(batches, steps, pin: bool):
+    # Pinned batches: the host-to-device copy is then truly asynchronous (from pageable memory it is not).
+    return torch.utils.data.DataLoader(_StepBatches(batches, steps), batch_size=None, num_workers=0,
+                                       pin_memory=pin)
 

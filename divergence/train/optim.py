@@ -15,7 +15,9 @@ def _adamw(params, cfg):
 
 
 def _adafactor(params, cfg):
-    return torch.optim.Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    from .adafactor import Adafactor  # torch.optim.Adafactor's algorithm without its per-parameter syncs
+
+    return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw, "adafactor": _adafactor}

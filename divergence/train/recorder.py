@@ -50,6 +50,7 @@ class Recorder:
         # first and last flush (each flush syncs the device, so those two instants are real, not launch times).
         self.t = {"eval_s": 0.0, "snapshot_s": 0.0, "evals": 0, "snapshots": 0}
         self.sync_points = []  # (steps done, perf_counter) at each flush
+        self.finished = False
 
     def watch_nonfinite(self, kernels):
         """Flag non-finite outputs of non-reference implementations (device-side flags, no sync per call)."""
@@ -146,8 +147,11 @@ class Recorder:
 
     def finish(self, module):
         """State after the last update: a last validation row and snapshot."""
+        t0 = time.perf_counter()
         self.flush()
         val = self._eval(module, self.steps)
         self._snapshot(module, self.steps)
         self.writer.write([{"step": self.steps, "val_loss": val}])
         self.writer.close()
+        self.finished = True
+        self.t["finish_s"] = time.perf_counter() - t0
