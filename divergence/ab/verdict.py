@@ -141,8 +141,10 @@ def combine(per_opt: dict) -> dict:
             words += f"; masked under {', '.join(masked)}"
     elif wrong or differs:
         case = "wrong-but-masked"
-        words = ("numerically wrong on real inputs" if wrong else "gradients or weights leave the null envelope")
-        words += f", but training under {', '.join(per_opt)} stays inside the null envelope: a deployment risk"
+        parts = (["numerically wrong on real inputs"] if wrong else []) + (
+            [f"gradients or weights leave the null envelope under {', '.join(differs)}"] if differs else [])
+        words = (" and ".join(parts) + f", but the loss under {', '.join(per_opt)} stays inside the null envelope"
+                 ": a deployment risk")
     else:
         case, words = "equivalent", "equivalent to the reference within the null envelope and the lockstep rule"
     return {"verdict": verdict, "case": case, "summary": words}
