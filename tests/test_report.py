@@ -173,3 +173,22 @@ def test_effect_sizes_read_at_any_magnitude():
     assert words.times(374.58) == "375x"
     assert words.times(2.7e27) == "2.7e27x"
     assert words.times(float("inf")) == "inf"
+
+
+def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch):
+    """In one process the verdict's distances serve the report: none is computed twice (each pair reads the
+    arms' snapshots and evaluations, seconds at GPU-recipe sizes)."""
+    from divergence.ab import compare
+    from divergence.report import results as report_results
+
+    calls = []
+    real = compare.scalar_distances
+    monkeypatch.setattr(compare, "scalar_distances", lambda *a: calls.append(a) or real(*a))
+    compare._MEMO.clear()
+    report_results._CACHE.clear()
+    write_report(results)
+    first = len(calls)
+    assert first > 0  # the report did need them
+    report_results._CACHE.clear()  # a fresh read of the folder, as `report` then wandb do
+    write_report(results)
+    assert len(calls) == first

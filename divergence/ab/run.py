@@ -6,6 +6,7 @@ Exit code: 0 PASS, 1 divergence found (DIVERGED, NAN, TIMEOUT or CRASH of the ca
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -82,9 +83,14 @@ def cmd_ab(args) -> int:
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
 
-    probe = None
+    probe, probing = None, None
     if recipe.ab.probe and not getattr(args, "no_probe", False):
-        probe = _preflight(slot, cand, out)
+        if device == "cuda":
+            # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
+            # families) overlap their start-up instead of delaying every arm.
+            probing = concurrent.futures.ThreadPoolExecutor(max_workers=1).submit(_preflight, slot, cand, out)
+        else:  # before the arms are forked: a fork must not inherit a probe's threads
+            probe = _preflight(slot, cand, out)
 
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
@@ -99,7 +105,11 @@ def cmd_ab(args) -> int:
               f"({time.time() - t0:.0f} s elapsed)", flush=True)
 
     arms = run_jobs(recipe, jobs, corpus, device, _workers(recipe, device), on_done=on_done)
+    if probing is not None:
+        probe = probing.result()
+    t_judge = time.time()
     result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe)
+    result["timings"] = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}
     write_json(out / "verdict.json", result)
     _print_table(result)
     _after(out, args, result)
