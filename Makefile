@@ -1,5 +1,8 @@
 # divergence: make setup, make test (CPU, minutes); make train / ab / probe / bench / soak.
 PY ?= .venv/bin/python
+# Optional dependency groups `make setup` installs: test (pytest) and ray (soak --backend ray, an ~80 MB wheel;
+# its test starts a two-node Ray cluster on loopback). EXTRAS=test leaves Ray out; the cluster tests then skip.
+EXTRAS ?= test,ray
 KERNEL ?= fused_embed_rmsnorm
 RECIPE ?=
 CANDIDATE ?=
@@ -18,7 +21,7 @@ setup:
 	else \
 		python3 -m venv .venv && cp constraints.txt .venv/constraints.txt; \
 	fi
-	.venv/bin/pip install -q -e '.[test]' -c .venv/constraints.txt
+	.venv/bin/pip install -q -e '.[$(EXTRAS)]' -c .venv/constraints.txt
 	@$(PY) -c 'import torch, lightning, divergence; print(f"divergence ready: torch {torch.__version__}, lightning {lightning.__version__}")'
 
 test:

@@ -1,10 +1,15 @@
 """`divergence soak SOAK.yaml`: many candidates x optimizers x seeds as one job, one results folder.
 
-Every arm of every (candidate, seed) goes into one queue for the local scheduler (`ab.runner.run_jobs`): one
-process per arm, several at a time, spread over every visible GPU; on CPU the same matrix runs with the recipe's
-worker count. A killed soak continues with `--resume DIR` and repeats no finished arm. Each (candidate, seed) gets
-the same `verdict.json` as `divergence ab`; the overall table is printed last and written as `soak.json` and
-`soak.csv`.
+Every arm of every (candidate, seed) goes into one queue, for one of two backends:
+- local (default): `ab.runner.run_jobs`, one process per arm, several at a time, spread over every visible GPU; on
+  CPU the same matrix runs with the recipe's worker count;
+- ray: `ab.ray_runner.run_jobs_ray`, each arm a Ray task on a running cluster (`--ray-address HOST:PORT`), which
+  runs it through the same local runner on whichever node Ray picks. The results folder must be on a filesystem
+  every node sees at the same path (one host, or a shared mount); Ray is an extra: pip install '.[ray]'.
+A killed soak continues with `--resume DIR` (either backend) and repeats no finished arm. Each (candidate, seed)
+gets the same `verdict.json` (and `plan.json`) as `divergence ab`, logged to wandb with one group per candidate
+(unless --no-wandb); the overall table is printed last, written as `soak.json` and `soak.csv` and logged as one
+more wandb run.
 
 SOAK.yaml:
     name: nightly                      # used in the results folder's name
@@ -14,6 +19,9 @@ SOAK.yaml:
     seeds: [0, 1]                      # one A/B per seed (initial weights and batch order)
     candidates:                        # slot + candidate spec (zoo:NAME, file.py, solution.json, ...)
       - {kernel: fused_embed_rmsnorm, candidate: zoo:embed_bf16_accum}
+    backend: local                     # local | ray (the command line's --backend wins)
+    ray_address: null                  # ray: HOST:PORT or auto; null starts a Ray instance on this machine
+    gpus_per_arm: 0.25                 # ray: share of one GPU per arm; default 1/(arms per GPU), 0 on CPU
 """
 from __future__ import annotations
 
@@ -28,7 +36,9 @@ from .errors import RecipeError, UserError
 from .recipe import read_yaml_mapping
 from .train.metrics import write_atomic, write_json
 
-KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates"}
+KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm"}
+BACKENDS = ("local", "ray")
+ADDRESS = r"auto|(ray://)?[^\s:/]+:\d+"  # ray_address: what `ray start --head` prints, or auto
 
 
 def load_soak(path: Path) -> dict:
@@ -49,12 +59,66 @@ def load_soak(path: Path) -> dict:
         raise RecipeError(f"{path}: seeds: expected a list of integers, got {seeds!r}")
     return {"name": str(raw.get("name", path.stem)), "recipe": str(raw.get("recipe", "tiny")),
             "overrides": raw.get("overrides") or {}, "optimizers": raw.get("optimizers"), "seeds": seeds,
-            "candidates": cands, "path": str(path)}
+            "candidates": cands, **_backend_keys(path, raw), "path": str(path)}
+
+
+def _backend_keys(path: Path, raw: dict) -> dict:
+    backend = raw.get("backend", "local")
+    if backend not in BACKENDS:
+        raise RecipeError(f"{path}: backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    address = raw.get("ray_address")
+    if address is not None and not (isinstance(address, str) and re.fullmatch(ADDRESS, address)):
+        raise RecipeError(f"{path}: ray_address: expected HOST:PORT or auto, got {address!r}")
+    gpus = raw.get("gpus_per_arm")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or not 0 < gpus <= 1):
+        raise RecipeError(f"{path}: gpus_per_arm: expected a share of one GPU in (0, 1], e.g. 0.25, got {gpus!r}")
+    return {"backend": backend, "ray_address": address, "gpus_per_arm": None if gpus is None else float(gpus)}
 
 
 def _label(i: int, cand: dict) -> str:
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(cand["candidate"].replace("zoo:", "")).stem)
     return f"{i:02d}-{cand['kernel']}-{stem}"
+
+
+def _backend(soak: dict, args) -> tuple:
+    """(backend, ray_address): the soak file's, the command line's over them; --ray-address alone means ray."""
+    address = args.ray_address or soak.get("ray_address")
+    backend = args.backend or ("ray" if args.ray_address else soak.get("backend", "local"))
+    if backend == "ray":  # before any candidate loads or arm trains: a missing extra or a wrong address, now
+        from .ab.ray_runner import check_address, require_ray
+
+        require_ray()
+        check_address(address)
+    return backend, address
+
+
+def _gpus_per_arm(soak: dict, base, device: str, workers: int) -> float:
+    if base.train.device == "cpu":
+        return 0.0
+    if soak.get("gpus_per_arm") is not None:  # a CPU-only driver may still send arms to GPU nodes
+        return soak["gpus_per_arm"]
+    if device != "cuda":
+        return 0.0
+    import torch
+
+    return min(1.0, torch.cuda.device_count() / workers)  # as many arms per GPU as the local scheduler runs
+
+
+def _log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str) -> bool:
+    """A cell's runs go into its candidate's group, one group per candidate across seeds and optimizers."""
+    from .wandb_log import log_ab
+
+    r = log_ab(cell_dir, result, group=label, name_prefix=f"seed-{seed}/", tags=[f"seed-{seed}", soak_id],
+               config={"seed": seed, "soak": soak_id})
+    return _mark_logged(cell_dir, r)
+
+
+def _mark_logged(folder: Path, r) -> bool:
+    """wandb.json: logged once; a resume logs again only what it re-ran (no duplicate runs in the project)."""
+    if not r or not r["runs"]:
+        return False
+    write_json(folder / "wandb.json", {"mode": r["mode"], "group": r["group"], "runs": [str(p) for p in r["runs"]]})
+    return True
 
 
 def cmd_soak(args) -> int:
@@ -71,11 +135,14 @@ def cmd_soak(args) -> int:
         if not (out / "soak-plan.json").exists():
             raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
         soak = json.loads((out / "soak-plan.json").read_text())
+        backend, address = _backend(soak, args)
     else:
         if not args.soak:
             raise UserError("soak: give a SOAK.yaml (or --resume DIR)")
         soak = load_soak(Path(args.soak))
-        out = Path(args.out or Path("results") / f"soak-{soak['name']}-{time.strftime('%Y%m%d-%H%M%S')}")
+        backend, address = _backend(soak, args)
+        soak["created"] = time.strftime("%Y%m%d-%H%M%S")
+        out = Path(args.out or Path("results") / f"soak-{soak['name']}-{soak['created']}")
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "soak-plan.json", soak)
     base = load_recipe(soak["recipe"], soak["overrides"])
@@ -90,37 +157,62 @@ def cmd_soak(args) -> int:
         impl = resolve(cand["kernel"], cand["candidate"])  # every candidate loads before anything trains
         for seed in soak["seeds"]:
             recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})
-            cell_dir = out / _label(i, cand) / f"seed-{seed}"
+            label = _label(i, cand)
+            cell_dir = out / label / f"seed-{seed}"
             cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,
                                   lockstep=recipe.ab.lockstep_every > 0)
             for j in cell_jobs:
                 j.recipe = recipe
                 j.key = f"{cell_dir.relative_to(out)}/{j.key}"
-            cells.append((cand, impl, seed, recipe, cell_dir))
+            if not (cell_dir / "plan.json").exists():  # the cell reads as an A/B folder: report and wandb work
+                cell_dir.mkdir(parents=True, exist_ok=True)
+                write_json(cell_dir / "plan.json", {
+                    "kernel": cand["kernel"], "candidate": cand["candidate"], "recipe_path": str(recipe.path),
+                    "optimizers": opts, "overrides": {**soak["overrides"], "seed": seed},
+                    "created": soak.get("created", out.name), "soak": out.name})
+            cells.append((cand, impl, seed, recipe, cell_dir, label))
             jobs.extend(cell_jobs)
     device = resolve_device(base)
     corpus = load_corpus(base.data)
     vocab = model_vocab(base, corpus)
+    workers = _workers(base, device)
+    where = f"{device}, {workers} at a time"
+    if backend == "ray":
+        gpus = _gpus_per_arm(soak, base, device, workers)
+        where = f"ray {address or '(local instance)'}, " + (f"{gpus:g} GPU per arm" if gpus else "CPU arms")
     print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
-          f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms on {device}, results in {out}", flush=True)
-    t0, done = time.time(), []
+          f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
+    t0, done, ran = time.time(), [], set()
 
     def on_done(key, st):
         done.append(key)
+        ran.add(key.rsplit("/", 2)[0])  # the cell "<label>/seed-<n>": its wandb runs are logged (again)
         print(f"  [{len(done)}/{len(jobs)}] {key}: {st.get('status')} ({time.time() - t0:.0f} s)", flush=True)
 
-    arms = run_jobs(base, jobs, corpus, device, _workers(base, device), on_done=on_done)
-    rows = []
-    for cand, impl, seed, recipe, cell_dir in cells:
+    if backend == "ray":
+        from .ab.ray_runner import run_jobs_ray
+
+        arms = run_jobs_ray(base, jobs, out / "soak-plan.json", address, gpus, on_done=on_done)
+    else:
+        arms = run_jobs(base, jobs, corpus, device, workers, on_done=on_done)
+    rows, logged = [], 0
+    for cand, impl, seed, recipe, cell_dir, label in cells:
         prefix = f"{cell_dir.relative_to(out)}/"
         cell_arms = {k[len(prefix):]: v for k, v in arms.items() if k.startswith(prefix)}
         result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab)
         write_json(cell_dir / "verdict.json", result)
+        if not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
+            logged += _log_cell(cell_dir, result, label, seed, out.name)
         rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
                      "verdict": result["verdict"], "case": result["case"],
                      **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows,
                                    "wall_s": time.time() - t0})
+    if logged or (not args.no_wandb and not (out / "wandb.json").exists()):
+        from .wandb_log import log_soak
+
+        meta = {"name": soak["name"], "soak": soak, "optimizers": opts, "backend": backend}
+        _mark_logged(out, log_soak(out, rows, meta, group=out.name))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]))
     w.writeheader()

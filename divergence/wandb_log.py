@@ -10,6 +10,8 @@ wandb). Runs (files under `DIR/wandb/`):
   and null arms, so grouped line plots overlay the arms as they are. The verdict goes into each run's summary.
 - one per experiment (`job_type` = experiment): the verdict, per-bucket drift, lockstep error and metric tables
   as `wandb.Table`s, and the report's PNGs as images.
+A soak logs each (candidate, seed) cell the same way into one group per candidate (`group`, `name_prefix`, `tags`
+and `config` below), and adds one run (`job_type` = soak) with the whole verdict table (`log_soak`).
 Mode: `WANDB_MODE` when set; else online where an API key is configured, offline otherwise (`wandb sync` later).
 Nothing here raises into the A/B run: a failure prints one line and the verdict stands.
 """
@@ -56,9 +58,21 @@ def choose_mode() -> tuple:
     return "offline", "no API key"
 
 
-def log_ab(results_dir, result=None):
-    """Log every arm and the experiment; returns {'mode', 'group', 'runs', 'seconds'} or None. Never raises."""
+def log_ab(results_dir, result=None, group=None, name_prefix="", tags=(), config=None):
+    """Log every arm and the experiment; returns {'mode', 'group', 'runs', 'seconds'} or None. Never raises.
+    group (default: the experiment id), name_prefix, tags and config (merged into every run's): a soak's cell."""
     out = Path(results_dir)
+    cell = dict(group=group, name_prefix=name_prefix, tags=list(tags), config=config or {})
+    return _safely(out, lambda wandb: _log_all(wandb, out, result, **cell))
+
+
+def log_soak(out, rows: list, meta: dict, group: str):
+    """One run with a soak's verdict table (a row per candidate and seed); same return and guarantees as log_ab."""
+    out = Path(out)
+    return _safely(out, lambda wandb: _log_soak(wandb, out, rows, meta, group))
+
+
+def _safely(out: Path, log):
     try:
         import wandb
     except ImportError:
@@ -68,7 +82,7 @@ def log_ab(results_dir, result=None):
     try:
         with warnings.catch_warnings(), _no_launch_inputs():
             warnings.simplefilter("ignore")
-            return _log_all(wandb, out, result)
+            return log(wandb)
     except Exception as e:
         msg = " ".join(str(e).split())[:300]  # pydantic names the bad field on its second line
         print(f"wandb: {type(e).__name__}: {msg} (results are in {out})")
@@ -123,7 +137,7 @@ def _settings(wandb):
     return wandb.Settings(**kw)
 
 
-def _log_all(wandb, out: Path, result) -> dict:
+def _log_all(wandb, out: Path, result, group, name_prefix, tags, config) -> dict:
     from .report.results import load_results
 
     mode, why = choose_mode()
@@ -133,21 +147,22 @@ def _log_all(wandb, out: Path, result) -> dict:
     t0 = time.time()
     res = load_results(out)
     v = result or res.verdict
-    group = res.experiment_id
+    group = group or res.experiment_id
     common = dict(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(res.dir), group=group,
                   mode=mode, settings=_settings(wandb))
-    base_tags = [v["kernel"], v["candidate"]["name"]]
+    base_tags = [v["kernel"], v["candidate"]["name"]] + tags
     runs = []
     for opt, arms in res.arms.items():
         for name, arm in arms.items():
-            run = wandb.init(job_type=name, name=f"{opt}/{name}", tags=_tags(base_tags + [opt]),
-                             config=_config(res, v, arm), **common)
+            run = wandb.init(job_type=name, name=f"{name_prefix}{opt}/{name}", tags=_tags(base_tags + [opt]),
+                             config={**_config(res, v, arm), **config}, **common)
             _log_history(run, res, arm)
             run.summary.update(_summary(res, v, arm))
             runs.append(Path(run.dir).parent)
             run.finish(exit_code=0 if arm.info.get("status") == "OK" else 1)
-    run = wandb.init(job_type="experiment", name=f"verdict: {v['verdict']}",
-                     tags=_tags(base_tags + res.optimizers + [v["verdict"]]), config=_config(res, v, None), **common)
+    run = wandb.init(job_type="experiment", name=f"{name_prefix}verdict: {v['verdict']}",
+                     tags=_tags(base_tags + res.optimizers + [v["verdict"]]),
+                     config={**_config(res, v, None), **config}, **common)
     run.log(_tables(wandb, res, v), step=0)
     run.summary.update({k: x for k, x in (("verdict", v["verdict"]), ("verdict_case", v.get("case")),
                                           ("verdict_summary", v.get("summary"))) if x is not None})
@@ -162,6 +177,29 @@ def _log_all(wandb, out: Path, result) -> dict:
     else:
         print(f"wandb: {len(runs)} runs ({mode}, {why}, {dt:.0f} s), group {group}" + (f": {url}" if url else ""))
     return {"mode": mode, "group": group, "runs": runs, "seconds": dt}
+
+
+def _log_soak(wandb, out: Path, rows: list, meta: dict, group: str) -> dict:
+    mode, why = choose_mode()
+    if mode == "disabled":
+        print(f"wandb: off ({why}); results are in {out}")
+        return {"mode": mode, "group": None, "runs": [], "seconds": 0.0}
+    t0 = time.time()
+    counts = {}
+    for r in rows:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out), group=group, mode=mode,
+                     settings=_settings(wandb), job_type="soak", name=f"soak {meta['name']}: "
+                     f"{counts.get('PASS', 0)}/{len(rows)} PASS", tags=_tags(["soak", meta["name"]]),
+                     config={**meta, "results_dir": str(out)})
+    cols = list(rows[0]) if rows else []
+    run.log({"soak_table": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])}, step=0)
+    run.summary.update({"cells": len(rows), **{f"verdicts/{k}": n for k, n in counts.items()}})
+    path = Path(run.dir).parent
+    run.finish()
+    dt = time.time() - t0
+    print(f"wandb: soak table ({mode}, {why}, {dt:.0f} s), group {group}")
+    return {"mode": mode, "group": group, "runs": [path], "seconds": dt}
 
 
 def _tags(tags) -> list:

@@ -1,9 +1,40 @@
-"""The soak matrix through the local scheduler: verdicts per cell, table files, resume without repeats."""
+"""The soak matrix through the local scheduler: verdicts per cell, table files, wandb groups, resume without
+repeats. The wandb runs are the offline files the soak wrote (conftest: WANDB_MODE=offline), read back."""
 import csv
 import json
 
 from divergence.cli import main
 from divergence.recipe import RECIPES_DIR
+
+
+def wandb_runs(folder) -> list:
+    from test_wandb import _parsed, read_run  # the record reader that test_wandb checks against `wandb leet`
+
+    return [read_run(d, _parsed(d)) for d in sorted(folder.glob("**/wandb/offline-run-*"))]
+
+
+def check_wandb_groups(out, rows):
+    """One group per candidate holding every seed and optimizer of it; one soak run with the whole table."""
+    runs = wandb_runs(out)
+    cells = [r for r in runs if r["run"]["job_type"] != "soak"]
+    assert len(cells) == 4 * (2 * 4 + 1)  # per cell: 4 arms x 2 optimizers, and the cell's verdict run
+    groups = {}
+    for r in cells:
+        label, seed = r["dir"].parents[2].name, int(r["dir"].parents[1].name.split("-")[1])
+        assert r["run"]["run_group"] == label
+        assert r["config"]["seed"] == seed and f"seed-{seed}" in r["run"]["tags"] and out.name in r["run"]["tags"]
+        assert r["run"]["display_name"].startswith(f"seed-{seed}/")
+        groups.setdefault(label, set()).add((seed, r["config"].get("optimizer"), r["run"]["job_type"]))
+    assert sorted(groups) == sorted({p.parents[1].name for p in out.glob("*/seed-*/verdict.json")})
+    for got in groups.values():
+        assert {(s, o, a) for s, o, a in got if o} == {(s, o, a) for s in (0, 1) for o in ("sgd", "adamw")
+                                                        for a in ("reference", "candidate", "null-1", "null-2")}
+        assert {(s, a) for s, o, a in got if a == "experiment"} == {(0, "experiment"), (1, "experiment")}
+    (soak,) = [r for r in runs if r["run"]["job_type"] == "soak"]
+    assert soak["run"]["run_group"] == out.name and soak["summary"]["cells"] == 4
+    table = json.loads((soak["dir"] / "files" / soak["summary"]["soak_table.path"]).read_text())
+    assert [dict(zip(table["columns"], row)) for row in table["data"]] == rows
+    return len(runs)
 
 
 def test_soak_matrix_and_resume(tmp_path, capsys):
@@ -19,6 +50,7 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
     with open(out / "soak.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
     assert "overall" in capsys.readouterr().out
+    n_runs = check_wandb_groups(out, rows)
 
     arms = sorted(out.glob("*/seed-*/*/*/arm.json"))
     assert len(arms) == 2 * 2 * 2 * 4
@@ -31,6 +63,7 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
             assert p.stat().st_mtime_ns == t, f"{p} was trained again"
     assert victim.exists()
     assert json.loads((out / "soak.json").read_text())["rows"] == rows
+    assert len(wandb_runs(out)) == n_runs + 9 + 1  # only the cell that trained again, and the table again
 
 
 def test_bad_soak_file(tmp_path, capsys):
