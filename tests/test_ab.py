@@ -1,5 +1,6 @@
 """The A/B run end to end on the tiny recipe: the bf16 kernel is flagged, known-good kernels pass, exit codes."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,3 +91,29 @@ def test_new_arms_go_to_the_least_busy_gpu():
     assert _least_busy(["0", "1", "2"], running) == "2"
     running["d"] = [None] * 5 + ["2"]
     assert _least_busy(["0", "1", "2"], running) == "1"
+
+
+def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monkeypatch, tiny):
+    """An arm counts as done when its arm.json says so: the next arm starts without waiting for the process's
+    exit (10-15 s for a CUDA arm), and a process that lingers is killed after the grace period."""
+    import time
+
+    from divergence.ab import runner
+    from divergence.train.arm import ArmSpec
+    from divergence.train.metrics import write_json
+
+    def slow_exit_child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
+        import os
+
+        os.setsid()
+        write_json(Path(out_dir) / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": 0.0})
+        time.sleep(60)  # as if the interpreter's teardown took a minute
+
+    monkeypatch.setattr(runner, "_child", slow_exit_child)
+    monkeypatch.setattr(runner, "EXIT_GRACE_S", 2.0)
+    jobs = [runner.Job(f"sgd/arm-{i}", tmp_path / f"arm-{i}", ArmSpec(f"arm-{i}", "sgd")) for i in range(3)]
+    t0 = time.time()
+    res = runner.run_jobs(tiny, jobs, None, "cpu", workers=1)
+    assert time.time() - t0 < 20  # three arms one at a time, none waited for its 60 s exit
+    assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
+    assert all(res[j.key]["timings"]["process_s"] < 10 for j in jobs)

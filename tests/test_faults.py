@@ -159,3 +159,30 @@ def test_vocabulary_smaller_than_tokenizer_is_one_line(tmp_path, capsys):
                  "--no-probe"]) == 2
     err = capsys.readouterr().err
     assert "model.vocab_size: 300 is smaller than the tokenizer's vocabulary (1024)" in err
+
+
+def test_processes_a_candidate_leaves_behind_are_ended(tmp_path):
+    """A candidate that starts a long-lived process: its arm still finishes, and the leftover process (in the
+    arm's process group) is killed once the arm is done, not left running after the A/B."""
+    pids = tmp_path / "pids.txt"
+    cand = write(tmp_path, "litter.py", f"""import subprocess
+_started = []
+def run(gate, up):
+    if not _started:
+        _started.append(subprocess.Popen(["sleep", "300"]))
+        with open({str(pids)!r}, "a") as f:
+            f.write(f"{{_started[0].pid}}\\n")
+    return reference(gate, up)
+""")
+    assert ab(tmp_path / "r", cand) == 0
+    assert verdict(tmp_path / "r")["verdict"] == "PASS"
+    left = [int(p) for p in pids.read_text().split()]
+    assert left  # the candidate ran (in the candidate arm, and in the reference arm's lockstep check)
+    time.sleep(1)
+    for pid in left:
+        try:
+            os.kill(pid, 0)
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+            assert state == "Z", f"process {pid} the candidate started is still running"
+        except ProcessLookupError:
+            pass

@@ -22,6 +22,7 @@ DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
 # Before an arm writes its arm.json it is importing and loading (a spawned CUDA arm needs ~10-20 s for that);
 # after, every step must finish within step_timeout_s.
 STARTUP_GRACE_S = 120.0
+EXIT_GRACE_S = 30.0  # a finished arm's process gets this long to exit before its group is killed
 
 
 class _StopRequests:
@@ -80,12 +81,16 @@ def _child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
 
     boot = time.time() - t_start if t_start else None  # process start, imports, unpickling the arguments
     run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot)
+    # Everything is on disk (arm.json last, atomically). Skip the interpreter's teardown: a CUDA arm's exit took
+    # 10-15 s after its last write on the H200 (2026-11-21), and the next arm waited for it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _progress_mark(out_dir: Path):
-    """Changes whenever the arm gets further: arm.json written at start, then a metrics row per step."""
-    m = Path(out_dir) / "metrics.jsonl"
-    return (Path(out_dir, "arm.json").exists(), m.stat().st_size if m.exists() else -1)
+    """Changes whenever the arm gets further: arm.json written at start and at the end, a metrics row per step."""
+    m, a = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "arm.json"
+    return (a.stat().st_mtime_ns if a.exists() else None, m.stat().st_size if m.exists() else -1)
 
 
 def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
@@ -127,9 +132,17 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
         if on_done:
             on_done(job.key, st)
 
-    while queue or running:
+    draining = []  # (process, deadline): finished arms whose process has not exited yet
+
+    while queue or running or draining:
         if stop.requested:
+            for proc, _ in draining:
+                _kill(proc)
             raise KeyboardInterrupt
+        for proc, deadline in list(draining):  # reaped when gone, killed when it lingers
+            if not proc.is_alive() or time.time() > deadline:
+                _kill(proc)  # its whole group: whatever the candidate started and left running goes too
+                draining.remove((proc, deadline))
         while queue and len(running) < workers:
             job = queue.pop(0)
             Path(job.out_dir).mkdir(parents=True, exist_ok=True)
@@ -141,7 +154,7 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
                                daemon=False)
             proc.start()
             now = time.time()
-            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (False, -1), gpu]
+            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
         time.sleep(0.05)
         for key in list(running):
             job, proc, t0, deadline, mark, _ = running[key]
@@ -150,6 +163,14 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
                 m = _progress_mark(job.out_dir)
                 if m != mark:
                     running[key][3], running[key][4] = now + step_to, m
+                    st = arm_status(job.out_dir) if m[0] != mark[0] else None
+                    if st and st.get("status") in DONE:  # finished; its process may still be exiting
+                        st.setdefault("timings", {})["process_s"] = round(now - t0, 2)
+                        write_json(Path(job.out_dir) / "arm.json", st)
+                        draining.append((proc, now + EXIT_GRACE_S))
+                        del running[key]
+                        retire(job, st)
+                        continue
                 reason = None
                 if now > deadline:
                     reason = f"no step finished within {step_to:.0f} s (train.step_timeout_s)"
@@ -161,12 +182,16 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
                     retire(job, _finish(job, "TIMEOUT", reason))
                 continue
             proc.join()
+            _kill(proc)  # processes the candidate left behind in the arm's group
             st = arm_status(job.out_dir) or {}
             if st.get("status") not in DONE:
                 code = proc.exitcode
                 why = f"signal {-code}" if code and code < 0 else f"exit code {code}"
                 st = _finish(job, "CRASH", f"arm process died ({why}) before finishing: "
                                            f"{_last_line(job.out_dir)}")
+            else:  # the arm's whole life, start-up and exit included, beside its own timings
+                st.setdefault("timings", {})["process_s"] = round(now - t0, 2)
+                write_json(Path(job.out_dir) / "arm.json", st)
             del running[key]
             retire(job, st)
 
