@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..train.metrics import write_json
-from .runner import DONE, _StopRequests, arm_status, run_jobs
+from .runner import _StopRequests, run_jobs, split_finished
 
 NOT_SHARED = "NOT_SHARED"  # a task's answer, never an arm's status: the node cannot see the results folder
 CANCEL_WAIT_S = 15.0  # after Ctrl-C: time for interrupted tasks to kill their arm processes before we disconnect
@@ -38,13 +38,7 @@ def run_jobs_ray(recipe, jobs, must_see: Path, address=None, gpus_per_arm: float
     """Like runner.run_jobs: {key: arm info} for every job, finished ones (from --resume) kept as they are.
     must_see: a file of the results folder that every node has to see (the soak's soak-plan.json)."""
     ray = require_ray()
-    results, todo = {}, []
-    for job in jobs:
-        st = arm_status(job.out_dir)
-        if st and st.get("status") in DONE:
-            results[job.key] = st
-        else:
-            todo.append(job)
+    results, todo = split_finished(jobs)
     if not todo:
         return results
     _connect(ray, address)

@@ -66,6 +66,18 @@ def arm_status(out_dir: Path):
         return None
 
 
+def split_finished(jobs) -> tuple:
+    """({key: arm info} of the arms already finished (a resume keeps them), [the jobs still to run])."""
+    done, todo = {}, []
+    for job in jobs:
+        st = arm_status(job.out_dir)
+        if st and st.get("status") in DONE:
+            done[job.key] = st
+        else:
+            todo.append(job)
+    return done, todo
+
+
 def _child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
     if gpu is not None:  # before CUDA starts in this process: the arm sees one GPU, as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -101,13 +113,8 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
         # Import once here so every forked arm inherits it: `import lightning.pytorch` alone takes 5-20 s on
         # these 2-core machines, more than a tiny arm's whole training.
         from ..train import module  # noqa: F401
-    results, queue, running = {}, [], {}
-    for job in jobs:
-        st = arm_status(job.out_dir)
-        if st and st.get("status") in DONE:
-            results[job.key] = st
-        else:
-            queue.append(job)
+    results, queue = split_finished(jobs)
+    running = {}
     try:
         with _StopRequests() as stop:
             _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, on_done, stop)
