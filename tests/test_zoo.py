@@ -272,3 +272,18 @@ def test_rmsnorm_bwd_no_mean_is_wrong_in_grad_x_only():
     (ex, ew), (rx, rw) = errors(impl, rmsnorm_backward.make_inputs(torch.Generator().manual_seed(0)), contract)
     assert ex > 1e-2 and ex > 1e4 * rx, (ex, rx)
     assert ew <= bound(rw, FP32_FLOOR)
+
+
+def test_the_demo_is_the_triton_twin_on_a_gpu_only():
+    from divergence.zoo import DEMO, DEMO_GPU, demo
+
+    assert demo("fused_embed_rmsnorm", "cpu") == DEMO["fused_embed_rmsnorm"] == "embed_bf16_accum"
+    try:
+        import triton  # noqa: F401
+        expected = DEMO_GPU["fused_embed_rmsnorm"]
+    except ImportError:
+        expected = DEMO["fused_embed_rmsnorm"]
+    assert demo("fused_embed_rmsnorm", "cuda") == expected
+    assert demo("swiglu", "cuda") is None  # no demo: `ab` asks for a candidate
+    for name in DEMO_GPU.values():
+        assert ZOO[name].gpu_only and ZOO[name].verdict == "bad"
