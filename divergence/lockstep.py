@@ -112,9 +112,9 @@ class Lockstep:
         c, r, o = cand[0], ref_out[0], orc[0]
         if next(iter(self.buckets.values())).device != o.device:  # once: no host-to-device copy per step
             self.buckets = {b: rows.to(o.device) for b, rows in self.buckets.items()}
-        ec, er = _row_sq(_diff(c, o)), _row_sq(_diff(r, o))
-        oo, cc = _row_sq(o), _row_sq(torch.nan_to_num(c.to(torch.float64)))
-        co = (torch.nan_to_num(c.to(torch.float64)) * o).sum(1)
+        cf = torch.nan_to_num(c.to(torch.float64))
+        ec, er, oo, cc = _row_sq(_diff(c, o)), _row_sq(_diff(r, o)), _row_sq(o), _row_sq(cf)
+        co = (cf * o).sum(1)
         tiny = 1e-300
         row = {"_err_c": (ec.sum() / oo.sum().clamp_min(tiny)).sqrt(),
                "_err_r": (er.sum() / oo.sum().clamp_min(tiny)).sqrt(),
