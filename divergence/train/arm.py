@@ -125,6 +125,8 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     info["wall_s"] = time.time() - t0
     info["tokens_per_s"] = recipe.tokens_per_step * max(0, module.step_no) / max(1e-9, info["wall_s"])
     info["timings"] = rec.timings()
+    if device == "cuda":  # what one arm needs, to size `ab.workers` (arms per GPU) by
+        info["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if "steady_ms_per_step" in info["timings"]:
         info["tokens_per_s_steady"] = recipe.tokens_per_step / (1e-3 * info["timings"]["steady_ms_per_step"])
     if lockstep is not None:
