@@ -55,8 +55,9 @@ def load_soak(path: Path) -> dict:
         if not isinstance(c, dict) or set(c) != {"kernel", "candidate"}:
             raise RecipeError(f"{path}: candidates[{i}]: expected exactly the keys kernel and candidate, got {c!r}")
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise RecipeError(f"{path}: seeds: expected a list of integers, got {seeds!r}")
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                           for s in seeds):
+        raise RecipeError(f"{path}: seeds: expected a non-empty list of integers, got {seeds!r}")
     return {"name": str(raw.get("name", path.stem)), "recipe": str(raw.get("recipe", "tiny")),
             "overrides": raw.get("overrides") or {}, "optimizers": raw.get("optimizers"), "seeds": seeds,
             "candidates": cands, **_backend_keys(path, raw), "path": str(path)}
@@ -123,7 +124,7 @@ def _mark_logged(folder: Path, r) -> bool:
 
 def cmd_soak(args) -> int:
     from .ab.plan import plan_arms
-    from .ab.run import _workers, judge
+    from .ab.run import _workers, check_optimizers, judge, write_plan
     from .ab.runner import run_jobs
     from .data import load_corpus
     from .recipe import load_recipe
@@ -147,17 +148,15 @@ def cmd_soak(args) -> int:
         write_json(out / "soak-plan.json", soak)
     base = load_recipe(soak["recipe"], soak["overrides"])
     opts = soak["optimizers"] or list(base.ab.optimizers)
-    for o in opts:
-        if o not in base.optimizers:
-            raise UserError(f"{soak['path']}: optimizers: {o!r} has no settings in {base.path}")
+    check_optimizers(opts, base, f"{soak['path']}: optimizers")
     cells, jobs = [], []
     for i, cand in enumerate(soak["candidates"]):
         if cand["kernel"] not in SLOTS:
             raise UserError(f"{soak['path']}: candidates[{i}].kernel: unknown slot {cand['kernel']!r}")
         impl = resolve(cand["kernel"], cand["candidate"])  # every candidate loads before anything trains
+        label = _label(i, cand)
         for seed in soak["seeds"]:
             recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})
-            label = _label(i, cand)
             cell_dir = out / label / f"seed-{seed}"
             cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,
                                   lockstep=recipe.ab.lockstep_every > 0)
@@ -166,10 +165,8 @@ def cmd_soak(args) -> int:
                 j.key = f"{cell_dir.relative_to(out)}/{j.key}"
             if not (cell_dir / "plan.json").exists():  # the cell reads as an A/B folder: report and wandb work
                 cell_dir.mkdir(parents=True, exist_ok=True)
-                write_json(cell_dir / "plan.json", {
-                    "kernel": cand["kernel"], "candidate": cand["candidate"], "recipe_path": str(recipe.path),
-                    "optimizers": opts, "overrides": {**soak["overrides"], "seed": seed},
-                    "created": soak.get("created", out.name), "soak": out.name})
+                write_plan(cell_dir, cand["kernel"], cand["candidate"], recipe, opts,
+                           {**soak["overrides"], "seed": seed}, soak.get("created", out.name), soak=out.name)
             cells.append((cand, impl, seed, recipe, cell_dir, label))
             jobs.extend(cell_jobs)
     device = resolve_device(base)

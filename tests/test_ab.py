@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from divergence.ab import compare
+from divergence.ab import compare, verdict
 from divergence.cli import main
 from divergence.zoo import ZOO
 
@@ -62,7 +62,7 @@ def test_nulls_differ_from_reference_and_stay_within_each_other(bf16_run, tiny_c
     # ... and each lies inside the envelope the other one sets (margin 3, as the verdict uses).
     for metric in ("drift/top-10", "drift/top-100", "grad_norm/embedding"):
         a, b = d1[metric]["dist"], d2[metric]["dist"]
-        env_a, env_b = np.maximum.accumulate(a), np.maximum.accumulate(b)
+        env_a, env_b = verdict.envelope([a]), verdict.envelope([b])
         floor = 1e-3
         assert np.all(a <= 3 * env_b + floor) and np.all(b <= 3 * env_a + floor), metric
 

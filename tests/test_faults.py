@@ -1,4 +1,5 @@
 """Hostile candidates: a hang, os._exit, an exception, NaN; a killed run resumed; bad input messages."""
+import importlib
 import json
 import os
 import signal
@@ -90,34 +91,25 @@ def test_killed_run_resumes_to_the_same_verdict(tmp_path):
         assert a["optimizers"][opt].get("first_step") == b["optimizers"][opt].get("first_step")
 
 
-def test_candidate_patching_torch_is_refused(tmp_path, capsys):
-    cand = write(tmp_path, "patch.py", "import torch.nn.functional as F\n"
-                                       "F.silu = lambda x: x * 0.0\n"
-                                       "def run(gate, up):\n    return reference(gate, up)\n")
-    import torch.nn.functional as F
-
-    silu = F.silu
-    try:
-        assert ab(tmp_path / "r", cand) == 2
-    finally:
-        F.silu = silu  # the candidate did patch this process before being refused
-    err = capsys.readouterr().err.strip()
-    assert "patches torch.nn.functional.silu at import" in err and "refused" in err
+PATCHERS = {  # what the candidate patches: (module, attribute, its body, what the refusal must say)
+    "torch": ("torch.nn.functional", "silu", "import torch.nn.functional as F\nF.silu = lambda x: x * 0.0\n"
+              "def run(gate, up):\n    return reference(gate, up)\n",
+              ["patches torch.nn.functional.silu at import", "refused"]),
+    "harness": ("divergence.slots.swiglu", "reference", "import divergence.slots.swiglu as s\norig = s.reference\n"
+                "s.reference = lambda g, u: orig(g, u)\ndef run(gate, up):\n    return orig(gate, up)\n",
+                ["patches divergence.slots.swiglu.reference"]),
+}
 
 
-def test_candidate_patching_the_harness_is_refused(tmp_path, capsys):
-    cand = write(tmp_path, "patch2.py", "import divergence.slots.swiglu as s\n"
-                                        "orig = s.reference\n"
-                                        "s.reference = lambda g, u: orig(g, u)\n"
-                                        "def run(gate, up):\n    return orig(gate, up)\n")
-    import divergence.slots.swiglu as s
-
-    orig = s.reference
-    try:
-        assert ab(tmp_path / "r", cand) == 2
-    finally:
-        s.reference = orig
-    assert "patches divergence.slots.swiglu.reference" in capsys.readouterr().err
+@pytest.mark.parametrize("what", PATCHERS)
+def test_candidate_patching_torch_or_the_harness_is_refused(what, tmp_path, capsys, monkeypatch):
+    module, attr, body, said = PATCHERS[what]
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, attr, getattr(mod, attr))  # undone after the test: the candidate did patch this process
+    assert ab(tmp_path / "r", write(tmp_path, "patch.py", body)) == 2
+    err = capsys.readouterr().err
+    for words in said:
+        assert words in err, err
 
 
 def test_candidate_mutating_its_inputs_is_flagged(tmp_path):
@@ -181,8 +173,7 @@ def run(gate, up):
     time.sleep(1)
     for pid in left:
         try:
-            os.kill(pid, 0)
-            state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
-            assert state == "Z", f"process {pid} the candidate started is still running"
-        except ProcessLookupError:
-            pass
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            continue  # gone
+        assert state == "Z", f"process {pid} the candidate started is still running (state {state})"

@@ -36,7 +36,11 @@ def _rows_cached(path: str, mtime_ns: int, size: int) -> list:
 
 def load_series(arm_dir: Path, key: str):
     """(steps, values) of one metric from an arm's metrics.jsonl."""
-    rows = _rows(Path(arm_dir) / "metrics.jsonl")
+    return series(_rows(Path(arm_dir) / "metrics.jsonl"), key)
+
+
+def series(rows: list, key: str):
+    """(steps, values) of one metric from metrics rows; NaN/Inf kept (they are what a NaN arm ends with)."""
     pts = [(r["step"], float(r[key])) for r in rows if key in r]
     if not pts:
         return np.zeros(0, int), np.zeros(0)
@@ -96,13 +100,14 @@ def _load_cached(path: str, mtime_ns: int) -> np.ndarray:
     return a
 
 
-def _snapshots(arm_dir):
-    return {int(p.stem.split("_")[1]): p for p in sorted((Path(arm_dir) / "snapshots").glob("embed_*.npy"))}
+def _by_step(arm_dir, folder: str, pattern: str) -> dict:
+    """step -> file, for an arm's per-step arrays (snapshots/embed_<step>.npy, evals/logp_<step>.npy)."""
+    return {int(p.stem.split("_")[1]): p for p in (Path(arm_dir) / folder).glob(pattern)}
 
 
 def drift_distances(ref_dir, arm_dir, buckets: dict) -> dict:
     """`drift/<bucket>` at every snapshot step both arms have, and the per-row drift at the last one."""
-    snaps_r, snaps_a = _snapshots(ref_dir), _snapshots(arm_dir)
+    snaps_r, snaps_a = (_by_step(d, "snapshots", "embed_*.npy") for d in (ref_dir, arm_dir))
     steps = sorted(set(snaps_r) & set(snaps_a))
     if not steps or 0 not in snaps_r:
         return {}
@@ -124,8 +129,7 @@ def drift_distances(ref_dir, arm_dir, buckets: dict) -> dict:
 
 
 def kl_distances(ref_dir, arm_dir) -> dict:
-    files_r = {int(p.stem.split("_")[1]): p for p in (Path(ref_dir) / "evals").glob("logp_*.npy")}
-    files_a = {int(p.stem.split("_")[1]): p for p in (Path(arm_dir) / "evals").glob("logp_*.npy")}
+    files_r, files_a = (_by_step(d, "evals", "logp_*.npy") for d in (ref_dir, arm_dir))
     steps = sorted(set(files_r) & set(files_a))
     if not steps:
         return {}

@@ -44,6 +44,18 @@ def _load_plan(resume: Path) -> dict:
     return json.loads(p.read_text())
 
 
+def check_optimizers(opts, recipe, where: str):
+    for o in opts:
+        if o not in recipe.optimizers:
+            raise UserError(f"{where}: {o!r} has no settings in {recipe.path}; known: {', '.join(recipe.optimizers)}")
+
+
+def write_plan(folder: Path, slot: str, cand: str, recipe, opts, overrides: dict, created: str, **extra):
+    """plan.json: what was asked, enough for --resume, the report and wandb to rebuild the run."""
+    write_json(folder / "plan.json", {"kernel": slot, "candidate": cand, "recipe_path": str(recipe.path),
+                                      "optimizers": opts, "overrides": overrides, "created": created, **extra})
+
+
 def cmd_ab(args) -> int:
     from ..data import load_corpus
     from ..slots import SLOTS, resolve
@@ -66,20 +78,17 @@ def cmd_ab(args) -> int:
         overrides = {"seed": args.seed} if args.seed is not None else {}
         opts = None
     recipe = load_recipe(recipe_src, overrides)
-    cand = cand or demo_candidate(slot, resolve_device(recipe))
+    device = resolve_device(recipe)
+    cand = cand or demo_candidate(slot, device)
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)
-        for o in opts:
-            if o not in recipe.optimizers:
-                raise UserError(f"--optimizers: {o!r} has no settings in {recipe.path}; known: {', '.join(recipe.optimizers)}")
+        check_optimizers(opts, recipe, "--optimizers")
     impl = resolve(slot, cand)  # loads and checks the candidate's signature before any training
-    device = resolve_device(recipe)
     if not args.resume:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")
         out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "plan.json", {"kernel": slot, "candidate": cand, "recipe_path": str(recipe.path),
-                                       "optimizers": opts, "overrides": overrides, "created": stamp})
+        write_plan(out, slot, cand, recipe, opts, overrides, stamp)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
 
@@ -194,7 +203,8 @@ def _null_spread(null_d: list) -> dict:
 
 
 def _drift_table(cand_d, null_d, corpus, buckets) -> dict:
-    table = {"buckets": {}, "rank_count": corpus.counts[np.argsort(corpus.rank[:len(corpus.counts)])].tolist()}
+    order = np.argsort(corpus.rank[:len(corpus.counts)], kind="stable")  # rows by frequency rank
+    table = {"buckets": {}, "rank_count": corpus.counts[order].tolist()}
     for b in buckets:
         key = f"drift/{b}"
         row = {"candidate": float(cand_d[key]["dist"][-1]) if key in cand_d else None}
@@ -202,8 +212,7 @@ def _drift_table(cand_d, null_d, corpus, buckets) -> dict:
             row[f"null-{i + 1}"] = float(d[key]["dist"][-1]) if key in d else None
         table["buckets"][b] = row
     # Per-row drift by frequency rank at the last snapshot (for the log-log plot), rows sorted by rank.
-    order = np.argsort(corpus.rank[:len(corpus.counts)], kind="stable")
-    if "_row_drift" in cand_d and cand_d["_row_drift"] is not None:
+    if cand_d.get("_row_drift") is not None:
         table["row_drift_candidate"] = cand_d["_row_drift"][order].tolist()
     for i, d in enumerate(null_d):
         if d.get("_row_drift") is not None:

@@ -114,18 +114,18 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
         # these 2-core machines, more than a tiny arm's whole training.
         from ..train import module  # noqa: F401
     results, queue = split_finished(jobs)
-    running = {}
+    running, draining = {}, []  # draining: (process, deadline) of finished arms whose process has not exited
     try:
         with _StopRequests() as stop:
-            _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, on_done, stop)
-    except BaseException:
-        for job, proc, *_ in running.values():
+            _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, workers, on_done, stop)
+    except BaseException:  # Ctrl-C, SIGTERM or a harness error: no arm process outlives the scheduler
+        for proc in [entry[1] for entry in running.values()] + [proc for proc, _ in draining]:
             _kill(proc)
         raise
     return results
 
 
-def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, on_done, stop):
+def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, workers, on_done, stop):
     step_to = recipe.ab.step_timeout_s
     arm_to = recipe.ab.arm_timeout_s
 
@@ -139,12 +139,8 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
         if on_done:
             on_done(job.key, st)
 
-    draining = []  # (process, deadline): finished arms whose process has not exited yet
-
     while queue or running or draining:
         if stop.requested:
-            for proc, _ in draining:
-                _kill(proc)
             raise KeyboardInterrupt
         for proc, deadline in list(draining):  # reaped when gone, killed when it lingers
             if not proc.is_alive() or time.time() > deadline:
@@ -172,8 +168,7 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
                     running[key][3], running[key][4] = now + step_to, m
                     st = arm_status(job.out_dir) if m[0] != mark[0] else None
                     if st and st.get("status") in DONE:  # finished; its process may still be exiting
-                        st.setdefault("timings", {})["process_s"] = round(now - t0, 2)
-                        write_json(Path(job.out_dir) / "arm.json", st)
+                        _record_process_s(job, st, now - t0)
                         draining.append((proc, now + EXIT_GRACE_S))
                         del running[key]
                         retire(job, st)
@@ -196,11 +191,16 @@ def _loop(recipe, queue, running, results, ctx, gpus, corpus, device, workers, o
                 why = f"signal {-code}" if code and code < 0 else f"exit code {code}"
                 st = _finish(job, "CRASH", f"arm process died ({why}) before finishing: "
                                            f"{_last_line(job.out_dir)}")
-            else:  # the arm's whole life, start-up and exit included, beside its own timings
-                st.setdefault("timings", {})["process_s"] = round(now - t0, 2)
-                write_json(Path(job.out_dir) / "arm.json", st)
+            else:
+                _record_process_s(job, st, now - t0)
             del running[key]
             retire(job, st)
+
+
+def _record_process_s(job, st: dict, seconds: float):
+    """The arm's whole life, start-up and exit included, beside its own timings in its arm.json."""
+    st.setdefault("timings", {})["process_s"] = round(seconds, 2)
+    write_json(Path(job.out_dir) / "arm.json", st)
 
 
 def _least_busy(gpus: list, running: dict) -> str:

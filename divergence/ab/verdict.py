@@ -39,8 +39,11 @@ def judge_metric(metric, steps, cand, cand_signed, nulls, margin, window) -> dic
     n = min([len(cand)] + [len(d) for d in nulls])
     steps, cand, cand_signed = steps[:n], cand[:n], cand_signed[:n]
     env = envelope([d[:n] for d in nulls]) if nulls else np.zeros(n)
-    limit = margin * env + floor_for(metric)
-    out = np.nan_to_num(cand, nan=np.inf) > limit
+    floor = floor_for(metric)
+    out = np.nan_to_num(cand, nan=np.inf) > margin * env + floor
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # In units of the null spread, never of less than the floor: a spread of 0 is rounding, not precision.
+        r = cand / np.maximum(env, floor)
     res = {"metric": metric, "flagged": False, "points": int(n)}
     run = 0
     for i, o in enumerate(out):
@@ -48,14 +51,10 @@ def judge_metric(metric, steps, cand, cand_signed, nulls, margin, window) -> dic
         if run >= window:
             first = i - window + 1
             sl = slice(first, i + 1)
-            ratio = cand[sl] / np.maximum(env[sl], floor_for(metric))
             res.update(flagged=True, first_step=int(steps[first]), flag_step=int(steps[i]),
                        direction="higher" if np.nanmean(cand_signed[sl]) > 0 else "lower",
-                       effect_size=float(np.nanmin(ratio)))
+                       effect_size=float(np.nanmin(r[sl])))
             break
-    with np.errstate(divide="ignore", invalid="ignore"):
-        # In units of the null spread, never of less than the floor: a spread of 0 is rounding, not precision.
-        r = cand / np.maximum(env, floor_for(metric))
     res["max_ratio"] = float(np.nanmax(r)) if n else 0.0
     res["final_distance"] = float(cand[-1]) if n else 0.0
     res["final_envelope"] = float(env[-1]) if n else 0.0
@@ -120,7 +119,6 @@ def combine(per_opt: dict) -> dict:
             if v["verdict"] == "PASS":
                 v["verdict"] = "WRONG"
                 v["detail"] = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
-                continue
         if v["verdict"] == "PASS" and ls.get("wrong"):
             v["verdict"] = "WRONG"
             v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (error "
