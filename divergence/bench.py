@@ -27,7 +27,6 @@ import gc
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .slots.rope import inv_freq_for
 
 SCHEMA_VERSION = 1
 # Dense bf16 peaks from the vendors' data sheets (TFLOP/s); NOTES measured ~790 for a large matmul on the H200.
@@ -120,8 +121,7 @@ class BareTransformer(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
-        hd = cfg.d_model // cfg.n_heads
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        inv_freq = inv_freq_for(cfg.d_model // cfg.n_heads, cfg.rope_theta)
         freqs = torch.arange(cfg.seq_len, dtype=torch.float32)[:, None] * inv_freq  # (S, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -213,7 +213,7 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
     timings (between the first and last metrics flush, each a device sync): evaluations, snapshots, metrics and
     lockstep included, one-time costs (Lightning's set-up, the first steps, the final evaluation) not."""
     from .recipe import recipe_from_dict
-    from .train.arm import ArmSpec, run_arm
+    from .train.arm import ArmSpec, resolve_device, run_arm
     from .train.metrics import read_metrics
 
     raw = recipe.to_dict()
@@ -238,14 +238,8 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
            "loss_step0": losses[0], "loss_last": losses[-1]}
     if lockstep:
         res["lockstep"] = {k: info.get("lockstep", {}).get(k) for k in ("candidate", "checked_steps", "wrong")}
-    _free(resolve_device_of(r))
+    _free(resolve_device(r))
     return res
-
-
-def resolve_device_of(recipe) -> str:
-    from .train.arm import resolve_device
-
-    return resolve_device(recipe)
 
 
 def soak(recipe, out_dir: Path) -> dict:
@@ -297,8 +291,9 @@ def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, loc
 
 
 def environment(device: str) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-           "device": device, "threads": torch.get_num_threads()}
+    from .train.arm import environment as arm_environment
+
+    env = arm_environment(device)
     try:
         import lightning
 
@@ -312,7 +307,6 @@ def environment(device: str) -> dict:
     except ImportError:
         env["triton"] = None
     if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
     return env
 
@@ -382,7 +376,7 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
     res["n_params"], res["flops_per_step"] = bare["n_params"], flops
     res["bare"] = {**bare, **_rate(bare["ms_per_step"], tokens, flops, peak)}
     if compile_model:
-        log(f"  bare loop under torch.compile ...")
+        log("  bare loop under torch.compile ...")
         comp = bare_loop(recipe, corpus, vocab, device, precision, steps, max(warmup, 3), compile_model=True)
         res["bare_compiled"] = {**comp, **_rate(comp["ms_per_step"], tokens, flops, peak)}
 
@@ -474,7 +468,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m divergence.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default=None, help="recipe name or path (default: h200 on a GPU, small on CPU)")
     ap.add_argument("--steps", type=int, help="timed steps (default 400 on a GPU, 20 on CPU, at most the "
-                                              "recipe's); the harness also runs steps/4 for the steady estimate")
+                                              "recipe's), for the bare loop and each harness arm")
     ap.add_argument("--warmup", type=int, help="untimed warm-up steps of the bare loop")
     ap.add_argument("--no-lockstep", action="store_true", help="skip the lockstep-overhead arm")
     ap.add_argument("--lockstep-candidate", help="candidate run by the lockstep check (default: the slot's demo)")

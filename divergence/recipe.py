@@ -98,7 +98,6 @@ class TrainConfig:
     snapshot_every: int = 10  # save the embedding every N steps for drift analysis (0 = only the last step)
     grad_clip: Optional[float] = None  # max global grad norm; off by default: clipping can hide the bugs we hunt
     threads: int = 1  # CPU threads per arm: fixed so that CPU runs are bitwise reproducible
-    compile: bool = False  # torch.compile the model (GPU)
     progress: bool = True  # progress bar
 
     def validate(self, where):
@@ -144,10 +143,6 @@ class Recipe:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
 
 
 def _coerce(value, tp, where):

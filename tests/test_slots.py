@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from divergence.slots import SLOTS, build_kernels
 from divergence.slots.nulls import NULLS

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import DataError
-from ..recipe import REPO_ROOT, DataConfig
-from .sources import Source
+from ..recipe import DataConfig
+from .sources import Source, search_paths
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -46,8 +46,7 @@ def hub_source(spec: str, cfg: DataConfig) -> Source:
 
 
 def _local_path(name: str):
-    p = Path(name).expanduser()
-    for cand in ([p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]):
+    for cand in search_paths(Path(name).expanduser()):
         if cand.exists():
             return cand.resolve()
     return None

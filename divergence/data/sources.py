@@ -23,6 +23,11 @@ class Source:
     read: Callable[[], list]  # the documents (str), at most cfg.max_chars characters in all
 
 
+def search_paths(given: Path) -> list:
+    """Where a path may lie: as given when absolute, else under the working folder, then under the repository."""
+    return [given] if given.is_absolute() else [Path.cwd() / given, REPO_ROOT / given]
+
+
 def default_roots() -> list:
     """The data roots tried, in order, when neither data.root nor $DIVERGENCE_DATA is set."""
     return [REPO_ROOT.parent / "shared" / "data", REPO_ROOT / "data" / "text"]
@@ -62,7 +67,7 @@ def resolve_source(cfg: DataConfig) -> Source:
 
         return hub_source(name[3:], cfg)
     given = Path(name).expanduser()
-    candidates = [given] if given.is_absolute() else [Path.cwd() / given, REPO_ROOT / given]
+    candidates = search_paths(given)
     for path in candidates:
         if path.exists():
             return local_source(path, name, cfg.max_chars)

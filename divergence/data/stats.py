@@ -15,7 +15,8 @@ TOPS = (1, 10, 100, 1000)
 def corpus_stats(corpus: Corpus, tokens_per_step: int) -> dict:
     counts = corpus.counts
     total = int(counts.sum())
-    freq = np.sort(counts)[::-1]
+    order = np.argsort(corpus.rank)  # ids by frequency, most frequent first (the corpus's ranking)
+    freq = counts[order]
     seen = int((freq > 0).sum())
     hi = min(ZIPF_RANKS, seen)
     if hi >= 2:
@@ -36,8 +37,7 @@ def corpus_stats(corpus: Corpus, tokens_per_step: int) -> dict:
     }
     for k in TOPS:
         d[f"top{k}_share"] = float(freq[:k].sum() / total)
-    top_ids = np.argsort(-counts, kind="stable")[:5]
-    d["top_tokens"] = [[corpus.tokenizer.decode([int(i)]), float(counts[i] / total)] for i in top_ids]
+    d["top_tokens"] = [[corpus.tokenizer.decode([int(i)]), float(counts[i] / total)] for i in order[:5]]
     # Rows of the embedding gradient: a token at position t adds one contribution to row x_t.
     d["tokens_per_step"] = int(tokens_per_step)
     d["top_row_per_step"] = d["top1_share"] * tokens_per_step

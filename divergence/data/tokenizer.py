@@ -12,7 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..errors import DataError
-from ..recipe import REPO_ROOT
+from .sources import search_paths
 
 EOT = "<|endoftext|>"  # the one special token; separates documents (files) in the token stream
 BATCH_LINES = 16384  # lines per encode_batch call: bounds the Encoding objects alive at once
@@ -39,8 +39,7 @@ def train_bpe(docs: list, vocab_size: int) -> Tokenizer:
 
 
 def tokenizer_path(path: str) -> Path:
-    p = Path(path).expanduser()
-    for cand in ([p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]):
+    for cand in search_paths(Path(path).expanduser()):
         if cand.is_file():
             return cand.resolve()
     raise DataError(f"data.tokenizer {path!r}: no such file; give a tokenizers tokenizer.json, or null to train BPE")

@@ -45,6 +45,5 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(batch=2, heads=2, seq=64),
     doc=__doc__,
-    scalar_inputs=("cap",),
     output_specs=lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype)],
 )

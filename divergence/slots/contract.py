@@ -22,10 +22,6 @@ class Contract:
     make_inputs: Callable  # (generator, device, **shape) -> tuple of inputs, realistic magnitudes
     shapes: dict  # default shape keywords for make_inputs
     doc: str  # the contract in words
-    # Inputs that may be integer/bool (never perturbed, never cast to float64 by the oracle).
-    index_inputs: tuple = ()
-    # Non-tensor parameters (floats) that are part of the contract.
-    scalar_inputs: tuple = ()
     # How the output shapes follow from the inputs (and the context), for candidates in the destination-passing
     # convention: (inputs, **context) -> list of (shape, dtype).
     output_specs: Optional[Callable] = None

@@ -32,6 +32,5 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(rows=256, vocab=512),
     doc=__doc__,
-    index_inputs=("targets",),
     output_specs=lambda inputs: [((), torch.float32)],
 )

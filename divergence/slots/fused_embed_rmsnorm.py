@@ -78,7 +78,6 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(batch=4, seq=128, hidden=64, vocab=512),
     doc=__doc__,
-    index_inputs=("input_ids",),
     # V is not derivable from the inputs: it comes from the destination buffer or the recipe (`vocab_size`).
     output_specs=lambda inputs, vocab_size: [
         ((vocab_size, inputs[0].shape[-1]), torch.bfloat16),

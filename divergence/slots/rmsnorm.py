@@ -39,6 +39,5 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(rows=256, hidden=64),
     doc=__doc__,
-    scalar_inputs=("eps",),
     output_specs=lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype)],
 )

@@ -46,7 +46,6 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(rows=256, hidden=64),
     doc=__doc__,
-    scalar_inputs=("eps",),
     output_specs=lambda inputs: [(tuple(inputs[1].shape), inputs[1].dtype), (tuple(inputs[2].shape), inputs[2].dtype)],
     kind="backward",
 )

@@ -57,6 +57,5 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(batch=2, heads=2, seq=64, head_dim=16),
     doc=__doc__,
-    index_inputs=("position_ids",),
     output_specs=lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype), (tuple(inputs[1].shape), inputs[1].dtype)],
 )

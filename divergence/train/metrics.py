@@ -23,14 +23,10 @@ def _unclean(v):
 
 
 class MetricsWriter:
-    def __init__(self, path: Path, resume_from: int = 0):
+    def __init__(self, path: Path):
         self.path = Path(path)
-        if resume_from and self.path.exists():
-            rows = [r for r in read_metrics(self.path) if r["step"] < resume_from]
-            write_atomic(self.path, "".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in rows))
-        elif self.path.exists():
-            self.path.unlink()
-        self.f = open(self.path, "a")
+        self.path.unlink(missing_ok=True)  # a new file, not the old one truncated under an earlier writer
+        self.f = open(self.path, "w")
 
     def write(self, rows):
         for r in rows:

@@ -10,14 +10,14 @@ from .optim import build_optimizer, lr_lambda
 
 
 class ArmModule(pl.LightningModule):
-    def __init__(self, recipe, optimizer: str, kernels, vocab_size: int, sink, start_step: int = 0):
+    def __init__(self, recipe, optimizer: str, kernels, vocab_size: int, sink):
         super().__init__()
         self.automatic_optimization = False
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
-        self.step_no = start_step
-        names = [n for n, _ in self.model.named_parameters()]
-        self.group_of = [PARAM_GROUPS.index(self.model.param_group(n)) for n in names]
+        self.step_no = 0
+        groups = [PARAM_GROUPS.index(self.model.param_group(n)) for n, _ in self.model.named_parameters()]
+        self.register_buffer("group_of", torch.tensor(groups), persistent=False)  # moves to the device with the module
         self.prev = None  # parameter copies for the update-to-weight ratio
 
     def configure_optimizers(self):
@@ -30,8 +30,6 @@ class ArmModule(pl.LightningModule):
         """(len(PARAM_GROUPS),) L2 norms, one fused pass (foreach) rather than a loop of small kernels."""
         norms = torch._foreach_norm([t.float() for t in tensors])
         sq = torch.zeros(len(PARAM_GROUPS), device=norms[0].device)
-        if not isinstance(self.group_of, torch.Tensor) or self.group_of.device != sq.device:
-            self.group_of = torch.tensor(self.group_of, device=sq.device)  # once, not a copy per step
         sq.index_add_(0, self.group_of, torch.stack(norms) ** 2)
         return sq.sqrt()
 

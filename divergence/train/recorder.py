@@ -32,14 +32,14 @@ def snapshot_steps(steps: int, every: int) -> set:
 
 
 class Recorder:
-    def __init__(self, out_dir: Path, recipe, val_batches, eval_x, start_step: int = 0, flush_every: int = 10):
+    def __init__(self, out_dir: Path, recipe, val_batches, eval_x, flush_every: int = 10):
         self.out = Path(out_dir)
         (self.out / "snapshots").mkdir(parents=True, exist_ok=True)
         (self.out / "evals").mkdir(parents=True, exist_ok=True)
         self.recipe, self.val_batches, self.eval_x = recipe, val_batches, eval_x
         self.steps = recipe.train.steps
         self.snap_steps = snapshot_steps(self.steps, recipe.train.snapshot_every)
-        self.writer = MetricsWriter(self.out / "metrics.jsonl", resume_from=start_step)
+        self.writer = MetricsWriter(self.out / "metrics.jsonl")
         self.flush_every = flush_every
         self.pending = []  # (step, loss, gnorm, ratio, lr, val)
         self.nonfinite = {}  # slot -> device flag, set by the candidate's output check
