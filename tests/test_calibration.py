@@ -5,9 +5,9 @@ import json
 import pytest
 
 from divergence.cli import main
-from divergence.zoo import ZOO
+from divergence.zoo import ZOO, members
 
-GOOD = [n for n, e in ZOO.items() if e.slot == "fused_embed_rmsnorm" and e.verdict == "good" and not e.gpu_only]
+GOOD = [n for n in members("fused_embed_rmsnorm", "good") if not ZOO[n].gpu_only]
 BAD = ["embed_bf16_accum", "embed_last_writer_wins"]
 
 

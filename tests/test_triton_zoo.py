@@ -168,6 +168,7 @@ def test_bf16_kernel_fails_on_real_text_and_hides_on_uniform_ids():
     assert 0.5 < real_err / model_err < 2.0
 
 
+@interp
 @pytest.mark.slow
 def test_bf16_kernel_at_16k_tokens_in_the_interpreter():
     """test_zoo's shape (16,384 real-text tokens): about 15x the reference, like embed_bf16_accum (~20 s)."""

@@ -18,6 +18,7 @@ from divergence.candidates.loader import load_candidate
 from divergence.errors import CandidateError
 from divergence.recipe import REPO_ROOT
 from divergence.slots import SLOTS, attn_softcap, fused_embed_rmsnorm, rmsnorm_backward, rope
+from divergence.slots.contract import as_tuple
 from divergence.slots.registry import sha256_of
 from divergence.zoo import DEMO, ZOO, ZOO_DIR, members, zoo_path
 
@@ -76,12 +77,9 @@ def embed_errors(impl, ids_kind: str):
 
 def errors(impl, inputs, contract, **ctx):
     """(candidate's errors, reference's errors) per output against the oracle."""
-    orc = contract.oracle(*inputs, **ctx)
-    orc = orc if isinstance(orc, tuple) else (orc,)
-    ref = contract.reference(*inputs, **ctx)
-    ref = ref if isinstance(ref, tuple) else (ref,)
-    out = impl.fn(*inputs, **ctx)
-    out = out if isinstance(out, tuple) else (out,)
+    orc = as_tuple(contract.oracle(*inputs, **ctx))
+    ref = as_tuple(contract.reference(*inputs, **ctx))
+    out = as_tuple(impl.fn(*inputs, **ctx))
     return [rel(o, x) for o, x in zip(out, orc)], [rel(r, x) for r, x in zip(ref, orc)]
 
 
@@ -275,7 +273,7 @@ def test_rmsnorm_bwd_no_mean_is_wrong_in_grad_x_only():
 
 
 def test_the_demo_is_the_triton_twin_on_a_gpu_only():
-    from divergence.zoo import DEMO, DEMO_GPU, demo
+    from divergence.zoo import DEMO_GPU, demo
 
     assert demo("fused_embed_rmsnorm", "cpu") == DEMO["fused_embed_rmsnorm"] == "embed_bf16_accum"
     try:

@@ -37,7 +37,6 @@ from ..slots.contract import Contract
 from ..slots.registry import Impl, check_outputs, sha256_of
 from .guard import check_untouched, fingerprint
 
-ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
 CUDA_SUFFIXES = (".cu", ".cpp", ".cc", ".cxx")
 _counter = itertools.count()
 
@@ -77,19 +76,20 @@ def _load(slot: str, spec: str) -> Impl:
 
 
 def _load_zoo(contract: Contract, name: str) -> Impl:
-    from ..zoo import ZOO
+    from ..zoo import ZOO, zoo_path
 
     entry = ZOO.get(name)
     if entry is None:
         raise CandidateError(f"unknown zoo member {name!r}; known: {', '.join(sorted(ZOO))}")
     if entry.slot != contract.name:
         raise CandidateError(f"zoo:{name} is a candidate for slot {entry.slot}, not {contract.name}")
-    return _load_python_file(contract, ZOO_DIR / f"{name}.py", name=name)
+    return _load_python_file(contract, zoo_path(name), name=name)
 
 
 def _load_python_file(contract: Contract, path: Path, name: Optional[str] = None,
                       convention: Optional[str] = None, symbol: str = "run", where: Optional[str] = None,
-                      hashed: Optional[list] = None, meta: Optional[dict] = None) -> Impl:
+                      hashed: Optional[list] = None, meta: Optional[dict] = None,
+                      origin: Optional[str] = None) -> Impl:
     where = where or str(path)
     if not path.is_file():
         raise CandidateError(f"candidate {'is a folder, not a file' if path.is_dir() else 'file not found'}: {path}")
@@ -98,7 +98,7 @@ def _load_python_file(contract: Contract, path: Path, name: Optional[str] = None
     if fn is None or not callable(fn):
         raise CandidateError(f"{where}: defines no function `{symbol}`")
     _require_gpu_for_triton(module, where)
-    return _make_impl(contract, fn, name=name or path.stem, origin=str(path), where=where,
+    return _make_impl(contract, fn, name=name or path.stem, origin=origin or str(path), where=where,
                       sha=sha256_of(hashed or [path]), doc=inspect.getdoc(module) or "",
                       declared=convention, meta=meta)
 
@@ -123,7 +123,7 @@ def _load_module_function(contract: Contract, spec: str) -> Impl:
 def _load_cuda_file(contract: Contract, path: Path, sources: Optional[list] = None, symbol: str = "run",
                     convention: Optional[str] = None, name: Optional[str] = None, where: Optional[str] = None,
                     hashed: Optional[list] = None, compile_options: Optional[dict] = None,
-                    meta: Optional[dict] = None) -> Impl:
+                    meta: Optional[dict] = None, origin: Optional[str] = None) -> Impl:
     where = where or str(path)
     sources = sources or [path]
     for s in sources:
@@ -146,7 +146,7 @@ def _load_cuda_file(contract: Contract, path: Path, sources: Optional[list] = No
     if fn is None or not callable(fn):
         raise CandidateError(f"{where}: the compiled module exposes no function `{symbol}` "
                              f"(bind it with PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def(\"{symbol}\", ...); }})")
-    return _make_impl(contract, fn, name=name or path.stem, origin=str(path), where=where, sha=sha,
+    return _make_impl(contract, fn, name=name or path.stem, origin=origin or str(path), where=where, sha=sha,
                       doc=_leading_comment(path), declared=convention, meta=meta)
 
 
@@ -202,13 +202,12 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
             raise CandidateError(f"{path}: spec.language is {language} but no source ends in .cu or .cpp")
         return _load_cuda_file(contract, cu[0], sources=cu, symbol=symbol, convention=convention, name=name,
                                where=str(path), hashed=[path], compile_options=spec.get("compile_options"),
-                               meta=meta)
+                               meta=meta, origin=str(path))
     if entry_file not in files:
         raise CandidateError(f"{path}: entry file {entry_file!r} of spec.entry_point is not among `sources` "
                              f"({', '.join(files)})")
-    impl = _load_python_file(contract, root / entry_file, name=name, convention=convention, symbol=symbol,
-                             where=f"{path} ({entry_file})", hashed=[path], meta=meta)
-    return _replace_origin(impl, str(path))
+    return _load_python_file(contract, root / entry_file, name=name, convention=convention, symbol=symbol,
+                             where=f"{path} ({entry_file})", hashed=[path], meta=meta, origin=str(path))
 
 
 # ----------------------------------------------------------------------------------------- import and inspect
@@ -226,17 +225,13 @@ def _import_file(path: Path, where: str):
     sys.path.insert(0, folder)  # sibling files of a multi-file candidate import each other at import time
     try:
         spec.loader.exec_module(module)
-    except SyntaxError as e:
-        sys.modules.pop(modname, None)
-        raise CandidateError(f"{where}: syntax error at line {e.lineno}: {e.msg}") from None
-    except ModuleNotFoundError as e:
-        sys.modules.pop(modname, None)
-        if (e.name or "").split(".")[0] == "triton":
-            raise CandidateError(f"{where}: needs Triton, which cannot be imported here ({e}); "
-                                 "Triton kernels need a GPU") from None
-        raise CandidateError(f"{where}: import failed: {_one_line(e)}") from None
     except Exception as e:
         sys.modules.pop(modname, None)
+        if isinstance(e, SyntaxError):
+            raise CandidateError(f"{where}: syntax error at line {e.lineno}: {e.msg}") from None
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "triton":
+            raise CandidateError(f"{where}: needs Triton, which cannot be imported here ({e}); "
+                                 "Triton kernels need a GPU") from None
         raise CandidateError(f"{where}: import failed: {_one_line(e)}") from None
     finally:
         try:
@@ -428,9 +423,3 @@ def _leading_comment(path: Path) -> str:
         elif lines or s:
             break
     return "\n".join(lines).strip()
-
-
-def _replace_origin(impl: Impl, origin: str) -> Impl:
-    from dataclasses import replace
-
-    return replace(impl, origin=origin)

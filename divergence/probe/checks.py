@@ -120,10 +120,10 @@ def spread(contract: Contract, runs: list, orc: tuple, errs: list) -> list:
         worst, nan_moved = 0.0, False
         for run in runs[1:]:
             x = run[i].detach().to(torch.float64)
-            if torch.equal(x.nan_to_num(), base.nan_to_num()) and torch.equal(x.isnan(), base.isnan()):
-                continue
             if not torch.equal(x.isnan(), base.isnan()):
                 nan_moved = True
+                continue
+            if torch.equal(x.nan_to_num(), base.nan_to_num()):
                 continue
             keep = ~base.isnan()
             d = float(torch.linalg.vector_norm((x - base)[keep]) /

@@ -102,6 +102,15 @@ def frequent_rows(ids, vocab) -> torch.Tensor:
 # -------------------------------------------------------------------------------------------------- per slot
 
 
+def _shape(shape: dict, dtype: torch.dtype, **optional) -> dict:
+    """The shape keywords for the table: `shape`, then each `optional` name=(value, default) as `value:g` where
+    the value is not its default, then the dtype where it is not float32."""
+    shape = {**shape, **{k: f"{v:g}" for k, (v, default) in optional.items() if v != default}}
+    if dtype != torch.float32:
+        shape["dtype"] = str(dtype).replace("torch.", "")
+    return shape
+
+
 def _embed(name, ids_fn, batch, seq, hidden, vocab, **kw):
     def build(gen, device):
         ids = ids_fn(gen, vocab, batch, seq)
@@ -151,12 +160,7 @@ def _norm(mod, name, rows, hidden, scale=1.0, row_scales=False, dtype=torch.floa
             inputs[x_at] = (inputs[x_at].float() * s).to(dtype)
         return Case(tuple(inputs))
 
-    shape = dict(rows=rows, hidden=hidden)
-    if scale != 1.0:
-        shape["scale"] = f"{scale:g}"
-    if dtype != torch.float32:
-        shape["dtype"] = str(dtype).replace("torch.", "")
-    return Family(name, shape, build, **kw)
+    return Family(name, _shape(dict(rows=rows, hidden=hidden), dtype, scale=(scale, 1.0)), build, **kw)
 
 
 def norm_families(mod) -> list:
@@ -191,11 +195,7 @@ def _rope(name, batch, heads, seq, head_dim, theta=10000.0, scaling=1.0, positio
         return Case((q, k, pos, inv / scaling))
 
     shape = dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, theta=f"{theta:g}")
-    if scaling != 1.0:
-        shape["scaling"] = f"{scaling:g}"
-    if dtype != torch.float32:
-        shape["dtype"] = str(dtype).replace("torch.", "")
-    return Family(name, shape, build, **kw)
+    return Family(name, _shape(shape, dtype, scaling=(scaling, 1.0)), build, **kw)
 
 
 def rope_families() -> list:
@@ -228,9 +228,7 @@ def _softcap(name, batch, heads, seq, scale=30.0, cap=20.0, causal=True, unit=Fa
     shape = dict(batch=batch, heads=heads, seq=seq, scale="U(0,1)" if unit else f"{scale:g}", cap=f"{cap:g}")
     if not causal:
         shape["causal"] = False
-    if dtype != torch.float32:
-        shape["dtype"] = str(dtype).replace("torch.", "")
-    return Family(name, shape, build, **kw)
+    return Family(name, _shape(shape, dtype), build, **kw)
 
 
 def softcap_families() -> list:
@@ -254,12 +252,7 @@ def _swiglu(name, rows, ff, scale=1.0, dtype=torch.float32, **kw):
     def build(gen, device):
         return Case(swiglu.make_inputs(gen, device, rows=rows, ff=ff, scale=scale, dtype=dtype))
 
-    shape = dict(rows=rows, ff=ff)
-    if scale != 1.0:
-        shape["scale"] = f"{scale:g}"
-    if dtype != torch.float32:
-        shape["dtype"] = str(dtype).replace("torch.", "")
-    return Family(name, shape, build, **kw)
+    return Family(name, _shape(dict(rows=rows, ff=ff), dtype, scale=(scale, 1.0)), build, **kw)
 
 
 def swiglu_families() -> list:
@@ -284,12 +277,7 @@ def _ce(name, rows, vocab, ids_fn=None, scale=3.0, dtype=torch.float32, **kw):
             targets = ids_fn(gen, vocab, 1, rows).view(rows).to(device)
         return Case((logits, targets))
 
-    shape = dict(rows=rows, vocab=vocab)
-    if scale != 3.0:
-        shape["scale"] = f"{scale:g}"
-    if dtype != torch.float32:
-        shape["dtype"] = str(dtype).replace("torch.", "")
-    return Family(name, shape, build, **kw)
+    return Family(name, _shape(dict(rows=rows, vocab=vocab), dtype, scale=(scale, 3.0)), build, **kw)
 
 
 def ce_families() -> list:

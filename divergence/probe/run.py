@@ -86,7 +86,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         torch.set_num_threads(threads)
     wall = time.perf_counter() - t0
     findings = _merge_exceptions(findings)
-    findings.sort(key=lambda f: checks.CHECKS.index(f["check"]) if f["check"] in checks.CHECKS else 99)
+    findings.sort(key=lambda f: checks.CHECKS.index(f["check"]))
     result = {
         "slot": slot,
         "candidate": {"spec": candidate_spec, "name": impl.name, "role": impl.role, "origin": impl.origin,
@@ -122,8 +122,8 @@ def _sweep(contract, impl, fams, seed, device, budget, destination, notes) -> tu
             got = _probe_family(contract, impl, fam, seed, device, destination)
             stop = False
         except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
-            got = [{"check": "exception", "output": None, "error": None, "allowed": None,
-                    "detail": f"probe could not go on after the candidate ran: {checks.one_line(e, contract.name)}"}]
+            got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
+                                                     f"{checks.one_line(e, contract.name)}")]
             stop = any(m in str(e) for m in ("CUDA error", "device-side assert", "illegal memory access"))
         for f in got:
             findings.append({"check": f["check"], "family": fam.name, "shape": fam.shape_str(), "seed": seed,
@@ -149,8 +149,7 @@ def _probe_family(contract, impl, fam, seed, device, destination) -> list:
         return out
 
     def failed(e, when=""):
-        return {"check": "exception", "output": None, "error": None, "allowed": None,
-                "detail": f"{when}{checks.one_line(e, slot)}"}
+        return checks._finding("exception", None, f"{when}{checks.one_line(e, slot)}")
 
     with torch.no_grad():
         given = _clone(kept)
@@ -177,7 +176,7 @@ def _probe_family(contract, impl, fam, seed, device, destination) -> list:
         # No caching: another draw of the family written into the first call's storage, then in fresh tensors.
         case2, orc2, ref2 = _prepared(contract, fam, seed, device, again=True)
         new = case2.inputs
-        if not all(not isinstance(a, torch.Tensor) or a.shape == b.shape for a, b in zip(given, new)):
+        if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
             return out  # a family whose shapes vary between draws: nothing to reuse
         reused = tuple(a.copy_(b) if isinstance(a, torch.Tensor) else b for a, b in zip(given, new))
         try:

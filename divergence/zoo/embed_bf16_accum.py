@@ -39,7 +39,7 @@ def _bf16_rounds(acc, ids, src):
     live = int((counts > 0).sum())
     slot = torch.empty_like(by_count)
     slot[by_count] = torch.arange(vocab, device=ids.device)  # id -> its row in the count order
-    sorted_ids, order = torch.sort(ids, stable=True)
+    _, order = torch.sort(ids, stable=True)
     seen = counts[counts > 0]  # counts of the distinct ids, in id order
     starts = torch.cumsum(seen, 0) - seen
     rank = torch.empty_like(ids)  # occurrence number of each token within its id, in token order
