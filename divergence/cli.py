@@ -7,7 +7,7 @@ import sys
 
 from .errors import UserError
 
-EXIT_PASS, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
+EXIT_PASS, EXIT_ERROR = 0, 2  # 1: a finding (`ab`, `probe` and `soak` return it themselves)
 
 
 def cmd_data_stats(args) -> int:
@@ -67,7 +67,7 @@ def cmd_probe(args) -> int:
 
 def _add_probe(sub):
     p = sub.add_parser("probe", help="check a candidate op against its float64 oracle across input families")
-    p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless --resume)")
+    p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required)")
     p.add_argument("--candidate", help="candidate: zoo:NAME, file.py, pkg.mod:fn, file.cu, solution.json, "
                                        "reference, null-1 (default: the slot's demo candidate)")
     p.add_argument("--seed", type=int, help="repeat a run: the seed it printed (default: a fresh one)")

@@ -63,16 +63,17 @@ def log_ab(results_dir, result=None, group=None, name_prefix="", tags=(), config
     group (default: the experiment id), name_prefix, tags and config (merged into every run's): a soak's cell."""
     out = Path(results_dir)
     cell = dict(group=group, name_prefix=name_prefix, tags=list(tags), config=config or {})
-    return _safely(out, lambda wandb: _log_all(wandb, out, result, **cell))
+    return _safely(out, lambda wandb, mode, why: _log_all(wandb, mode, why, out, result, **cell))
 
 
 def log_soak(out, rows: list, meta: dict, group: str):
     """One run with a soak's verdict table (a row per candidate and seed); same return and guarantees as log_ab."""
     out = Path(out)
-    return _safely(out, lambda wandb: _log_soak(wandb, out, rows, meta, group))
+    return _safely(out, lambda wandb, mode, why: _log_soak(wandb, mode, why, out, rows, meta, group))
 
 
 def _safely(out: Path, log):
+    """log(wandb, mode, why) unless wandb is missing or off; any failure is one line and returns None."""
     try:
         import wandb
     except ImportError:
@@ -80,9 +81,13 @@ def _safely(out: Path, log):
               f"then divergence report {out} --wandb)")
         return None
     try:
+        mode, why = choose_mode()
+        if mode == "disabled":
+            print(f"wandb: off ({why}); results are in {out}")
+            return {"mode": mode, "group": None, "runs": [], "seconds": 0.0}
         with warnings.catch_warnings(), _no_launch_inputs():
             warnings.simplefilter("ignore")
-            return log(wandb)
+            return log(wandb, mode, why)
     except Exception as e:
         msg = " ".join(str(e).split())[:300]  # pydantic names the bad field on its second line
         print(f"wandb: {type(e).__name__}: {msg} (results are in {out})")
@@ -137,13 +142,9 @@ def _settings(wandb):
     return wandb.Settings(**kw)
 
 
-def _log_all(wandb, out: Path, result, group, name_prefix, tags, config) -> dict:
+def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, config) -> dict:
     from .report.results import load_results
 
-    mode, why = choose_mode()
-    if mode == "disabled":
-        print(f"wandb: off ({why}); results are in {out}")
-        return {"mode": mode, "group": None, "runs": [], "seconds": 0.0}
     t0 = time.time()
     res = load_results(out)
     v = result or res.verdict
@@ -179,11 +180,7 @@ def _log_all(wandb, out: Path, result, group, name_prefix, tags, config) -> dict
     return {"mode": mode, "group": group, "runs": runs, "seconds": dt}
 
 
-def _log_soak(wandb, out: Path, rows: list, meta: dict, group: str) -> dict:
-    mode, why = choose_mode()
-    if mode == "disabled":
-        print(f"wandb: off ({why}); results are in {out}")
-        return {"mode": mode, "group": None, "runs": [], "seconds": 0.0}
+def _log_soak(wandb, mode, why, out: Path, rows: list, meta: dict, group: str) -> dict:
     t0 = time.time()
     counts = {}
     for r in rows:
@@ -267,7 +264,7 @@ def _summary(res, v, arm) -> dict:
 
 def _tables(wandb, res, v) -> dict:
     from .report import words
-    from .report.results import lockstep_series, lockstep_table
+    from .report.results import drift_table, lockstep_series, lockstep_table
 
     rule = v.get("rule", {})
     per = v.get("optimizers", {})
@@ -285,15 +282,8 @@ def _tables(wandb, res, v) -> dict:
                                                  "final_distance", "final_null_envelope", "effect_size"],
                                         data=metric_rows)
     n_null = int(rule.get("nulls") or 0)
-    drift_rows = []
-    for o, t in res.drift.items():
-        for b, row in t.get("buckets", {}).items():
-            nulls = [row.get(f"null-{i + 1}") for i in range(n_null)]
-            finite = [x for x in nulls if x is not None]
-            env = max(finite) if finite else None
-            c = row.get("candidate")
-            drift_rows.append([o, b, words.BUCKET_WORDS.get(b, b), c, env,
-                               (c / env) if c is not None and env else None] + nulls)
+    drift_rows = [[t["optimizer"], t["bucket"], words.BUCKET_WORDS.get(t["bucket"], t["bucket"]), t["candidate"],
+                   t["null_max"], t["ratio"]] + t["nulls"] for t in drift_table(res)]
     logs["drift_table"] = wandb.Table(columns=["optimizer", "bucket", "rows", "candidate", "null_max",
                                                "candidate_over_null_max"] + [f"null-{i + 1}" for i in range(n_null)],
                                       data=drift_rows)

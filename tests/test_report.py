@@ -83,7 +83,9 @@ def test_report_command_rewrites_the_page(results, tmp_path, capsys):
     shutil.rmtree(folder / "plots")
     assert main(["report", str(folder)]) == 0
     assert f"report: {folder / 'report.html'}" in capsys.readouterr().out
-    for s in _images(folder / "report.html"):
+    srcs = _images(folder / "report.html")
+    assert sorted(Path(s).stem for s in srcs) == ["distance", "drift", "lockstep", "loss"]
+    for s in srcs:
         assert (folder / s).stat().st_size > 10_000
 
 

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 from ..train.metrics import write_atomic
+from ..zoo import ZOO, ZOO_DIR
 from . import words
 from .plots import make_plots
-from .results import load_results
+from .results import drift_table, load_results
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1a1a1a; }
@@ -61,10 +62,6 @@ def _tag(v: str) -> str:
 
 def _zoo_note(cand: dict) -> str:
     """For a candidate from the zoo, what the zoo says it is (a check of the harness as much as of the kernel)."""
-    try:
-        from ..zoo import ZOO, ZOO_DIR
-    except ImportError:
-        return ""
     origin = Path(cand.get("origin") or "")
     entry = ZOO.get(cand.get("name"))
     if entry is None or origin.parent != ZOO_DIR:
@@ -167,25 +164,20 @@ def _metrics_tables(res) -> str:
 
 
 def _drift_table(res) -> str:
-    rows = []
-    for opt, t in res.drift.items():
-        for b, row in t.get("buckets", {}).items():
-            nulls = [x for k, x in row.items() if k.startswith("null-") and x is not None]
-            env = max(nulls) if nulls else None
-            c = row.get("candidate")
-            ratio = (c / env) if c is not None and env else None
-            if c and nulls and not env:
-                ratio_s = "any (nulls exactly 0)"  # the nulls were bitwise equal to the reference
-            else:
-                ratio_s = words.times(ratio) if ratio is not None else "-"
-            rows.append(f"<tr><td>{e(opt)}</td><td>{e(b)} ({e(words.BUCKET_WORDS.get(b, b))})</td>"
-                        f"<td class=num>{num(c)}</td>" + "".join(f"<td class=num>{num(x)}</td>" for x in nulls)
-                        + f"<td class=num>{e(ratio_s)}</td></tr>")
-    if not rows:
+    table = drift_table(res)
+    if not table:
         return ""
-    n = max(len([k for k in row if k.startswith('null-')]) for t in res.drift.values()
-            for row in t.get("buckets", {}).values())
-    head = "".join(f"<th>null-{i + 1}</th>" for i in range(n))
+    rows = []
+    for t in table:
+        b, c = t["bucket"], t["candidate"]
+        if c and t["null_max"] == 0:
+            ratio_s = "any (nulls exactly 0)"  # the nulls were bitwise equal to the reference
+        else:
+            ratio_s = words.times(t["ratio"]) if t["ratio"] is not None else "-"
+        rows.append(f"<tr><td>{e(t['optimizer'])}</td><td>{e(b)} ({e(words.BUCKET_WORDS.get(b, b))})</td>"
+                    f"<td class=num>{num(c)}</td>" + "".join(f"<td class=num>{num(x)}</td>" for x in t["nulls"])
+                    + f"<td class=num>{e(ratio_s)}</td></tr>")
+    head = "".join(f"<th>null-{i + 1}</th>" for i in range(max(len(t["nulls"]) for t in table)))
     return ("<details open><summary>Embedding drift by frequency bucket (end of training)</summary><table><tr>"
             f"<th>optimizer</th><th>rows</th><th>candidate</th>{head}<th>candidate / largest null</th></tr>"
             + "".join(rows) + "</table></details>")

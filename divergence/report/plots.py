@@ -270,7 +270,7 @@ def drift_vs_rank(res, path):
         cand = np.where(moved[:len(cand)], cand, np.nan)
         nulls = [np.where(moved[:len(x)], x, np.nan) for x in nulls]
         lo = _log_floor(cand, *nulls)
-        bins = np.logspace(0, np.log10(max(len(cand), *(len(x) for x in nulls)) + 1), 16)
+        bins = np.logspace(0, np.log10(n_rows + 1), 16)
         pooled_x, pooled_y = [], []
         for k, x in enumerate(nulls):
             r = np.arange(1, len(x) + 1)

@@ -7,13 +7,13 @@ verdict's own code (`ab.compare.distances`), so the plotted curves are exactly w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..ab import compare
 from ..errors import UserError
-from ..train.metrics import read_metrics
 
 
 @dataclass
@@ -30,11 +30,9 @@ class Arm:
 
     def series(self, metric: str):
         """(steps, values) of one metric; NaN/Inf kept (they are what a NaN arm ends with)."""
-        pts = [(r["step"], float(r[metric])) for r in self.rows if metric in r]
-        if not pts:
-            return np.zeros(0, int), np.zeros(0)
-        s, v = zip(*pts)
-        return np.asarray(s), np.asarray(v, dtype=np.float64)
+        from ..ab.compare import series
+
+        return series(self.rows, metric)
 
 
 @dataclass
@@ -44,7 +42,6 @@ class Results:
     verdict: dict
     drift: dict  # drift.json: per optimizer, per-bucket final drift and per-row drift by frequency rank
     arms: dict  # optimizer -> {arm name -> Arm}, reference first, then candidate, then nulls
-    _dist: dict = field(default_factory=dict)
     _buckets: object = None
 
     @property
@@ -64,33 +61,27 @@ class Results:
         return next((m for m in self.opt_verdict(opt).get("metrics", []) if m["metric"] == metric), None)
 
     def distances(self, opt: str) -> dict:
-        """arm name -> {metric: {steps, dist, signed}} for every non-reference arm that has metrics."""
-        if opt not in self._dist:
-            from ..ab import compare
-
-            ref = self.arms[opt].get("reference")
-            smooth = int(self.verdict.get("rule", {}).get("smooth_steps", 1))
-            out = {}
-            for name, arm in self.arms[opt].items():
-                if name == "reference" or ref is None or not arm.rows:
-                    continue
-                out[name] = compare.distances(ref.dir, arm.dir, self.buckets(), smooth)
-            self._dist[opt] = out
-        return self._dist[opt]
+        """arm name -> {metric: {steps, dist, signed}} for every non-reference arm that has metrics (memoised by
+        `compare.distances`: the pairs the verdict judged are not computed again)."""
+        ref = self.arms[opt].get("reference")
+        if ref is None:
+            return {}
+        smooth = int(self.verdict.get("rule", {}).get("smooth_steps", 1))
+        return {name: compare.distances(ref.dir, arm.dir, self.buckets(), smooth)
+                for name, arm in self.arms[opt].items() if name != "reference" and arm.rows}
 
     def buckets(self) -> dict:
         """Frequency buckets of embedding rows; {} when the corpus cannot be loaded here (no drift curves then)."""
         if self._buckets is None:
             self._buckets = {}
             try:
-                from ..ab.compare import bucket_rows
                 from ..data import load_corpus
                 from ..recipe import load_recipe
                 from ..train.arm import model_vocab
 
                 recipe = load_recipe(self.plan["recipe_path"], self.plan.get("overrides") or {})
                 corpus = load_corpus(recipe.data)
-                self._buckets = bucket_rows(corpus.rank, model_vocab(recipe, corpus))
+                self._buckets = compare.bucket_rows(corpus.rank, model_vocab(recipe, corpus))
             except Exception as e:  # a report on another machine: everything but the drift-over-steps curves
                 print(f"report: no drift curves over steps (corpus not loadable here: {type(e).__name__}: {e})")
         return self._buckets
@@ -120,12 +111,13 @@ def load_results(results_dir) -> Results:
     for opt in list(verdict.get("optimizers") or {}) or plan.get("optimizers") or []:  # what was judged
         found = {}
         for sub in sorted((d / opt).glob("*/arm.json"), key=lambda p: _arm_order(p.parent.name)):
-            rows = read_metrics(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
+            # compare's parse of the file: the verdict in this process already read it
+            rows = compare._rows(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
             found[sub.parent.name] = Arm(opt, sub.parent.name, sub.parent, json.loads(sub.read_text()), rows)
         if found:
             arms[opt] = found
     res = Results(d, plan, verdict, drift, arms)
-    _CACHE.clear()  # one folder at a time: snapshots-derived distances can be large
+    _CACHE.clear()  # one folder at a time (its distances are memoised in compare, not here)
     _CACHE[d] = (stamp, res)
     return res
 
@@ -142,11 +134,9 @@ def _arm_order(name: str):
 
 def lockstep_buckets(ref: Arm) -> list:
     """'all' and the frequency buckets the reference arm's lockstep metrics have, in BUCKETS order."""
-    from ..ab.compare import BUCKETS
-
     keys = {k.split("/")[1] for r in ref.rows for k in r if k.startswith("lockstep/") and k.count("/") == 2
             and k.endswith("/err_candidate")}
-    order = [b for b, _, _ in BUCKETS]
+    order = [b for b, _, _ in compare.BUCKETS]
     return ["all"] + sorted(keys, key=lambda b: order.index(b) if b in order else len(order))
 
 
@@ -172,4 +162,20 @@ def lockstep_table(ref: Arm) -> list:
                "steps_over": int(np.sum(~(c <= RATIO * r + fl)))}
         row["limit"] = RATIO * row["median_reference"] + fl
         out.append(row)
+    return out
+
+
+def drift_table(res: Results) -> list:
+    """Per optimizer and frequency bucket (drift.json): the final drift of the candidate and of each null arm
+    (None where an arm has none), the largest null's, and the candidate's over it (None where either is missing
+    or the nulls are 0)."""
+    out = []
+    for opt, t in res.drift.items():
+        for b, row in t.get("buckets", {}).items():
+            nulls = [row[k] for k in sorted(row, key=_arm_order) if k.startswith("null-")]
+            finite = [x for x in nulls if x is not None]
+            env = max(finite) if finite else None
+            c = row.get("candidate")
+            out.append({"optimizer": opt, "bucket": b, "candidate": c, "nulls": nulls, "null_max": env,
+                        "ratio": c / env if c is not None and env else None})
     return out
