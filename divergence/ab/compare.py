@@ -22,7 +22,7 @@ from ..train.metrics import read_metrics
 BUCKETS = (("top-10", 0, 10), ("top-100", 10, 100), ("top-1000", 100, 1000), ("tail", 1000, None))
 
 
-def _rows(path: Path) -> list:
+def metrics_rows(path: Path) -> list:
     """An arm's metrics rows, parsed once per process and file version (one series per metric is read from it:
     seven per compared pair, 126 parses of the same twelve files per A/B before)."""
     st = path.stat()
@@ -36,7 +36,7 @@ def _rows_cached(path: str, mtime_ns: int, size: int) -> list:
 
 def load_series(arm_dir: Path, key: str):
     """(steps, values) of one metric from an arm's metrics.jsonl."""
-    return series(_rows(Path(arm_dir) / "metrics.jsonl"), key)
+    return series(metrics_rows(Path(arm_dir) / "metrics.jsonl"), key)
 
 
 def series(rows: list, key: str):

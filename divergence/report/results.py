@@ -30,9 +30,7 @@ class Arm:
 
     def series(self, metric: str):
         """(steps, values) of one metric; NaN/Inf kept (they are what a NaN arm ends with)."""
-        from ..ab.compare import series
-
-        return series(self.rows, metric)
+        return compare.series(self.rows, metric)
 
 
 @dataclass
@@ -112,7 +110,7 @@ def load_results(results_dir) -> Results:
         found = {}
         for sub in sorted((d / opt).glob("*/arm.json"), key=lambda p: _arm_order(p.parent.name)):
             # compare's parse of the file: the verdict in this process already read it
-            rows = compare._rows(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
+            rows = compare.metrics_rows(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
             found[sub.parent.name] = Arm(opt, sub.parent.name, sub.parent, json.loads(sub.read_text()), rows)
         if found:
             arms[opt] = found
