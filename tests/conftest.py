@@ -7,6 +7,19 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def pytest_sessionstart(session):
+    """The suite trains on real text: without a data root, stop at once saying where to put it, instead of
+    failing test after test on missing result files."""
+    from divergence.data.sources import data_root
+    from divergence.errors import DataError
+    from divergence.recipe import load_recipe
+
+    try:
+        data_root(load_recipe("tiny").data)
+    except DataError as e:
+        pytest.exit(f"the tests train on real text and found none: {e}", returncode=2)
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly on machines without CUDA (CI never has one)."""
     if torch.cuda.is_available():
