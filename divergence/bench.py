@@ -17,7 +17,11 @@ The bare model keeps the harness's precision choices (RMSNorm, RoPE, SwiGLU and 
 the bf16 autocast), so that the gap measures the harness (Lightning, slot dispatch, metrics), not numerics choices;
 its loss at step 0 must equal the harness's (same weights, same batch), which the JSON records as a check.
 
-    python -m divergence.bench [--recipe h200] [--steps 400] [--soak] [--compile] [--profile DIR] [--out bench.json]
+Under `train.compile` (the GPU recipes) the bare loop is timed twice, eager and under torch.compile of the whole
+model; the harness is measured against the compiled one, like for like.
+
+    python -m divergence.bench [--recipe h200] [--steps 400] [--soak] [--compile BACKEND|none] [--profile DIR]
+                               [--out bench.json]
 """
 from __future__ import annotations
 
@@ -168,7 +172,11 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, compile_model=False) -> dict:
+def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=None) -> dict:
+    """`backend`: None for eager, else a `train.compile` value: torch.compile of the whole model (a user's one
+    line; the harness compiles all but the embedding, whose backward is a slot)."""
+    from .model.transformer import compile_options, uses_cudagraphs
+
     from .data import Batches
 
     torch.set_num_threads(recipe.train.threads)
@@ -177,7 +185,8 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, compile_m
     model.to(device)
     ocfg = recipe.optimizers["sgd"]
     opt = torch.optim.SGD(model.parameters(), lr=ocfg.lr, momentum=ocfg.momentum, weight_decay=ocfg.weight_decay)
-    fwd = torch.compile(model) if compile_model else model
+    fwd = torch.compile(model, **compile_options(backend)) if backend else model
+    cudagraphs = uses_cudagraphs(backend)
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext())
     batches = Batches(corpus.train, recipe.train.batch_size, recipe.model.seq_len, recipe.seed)
     losses = []
@@ -185,12 +194,14 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, compile_m
     def step(i):
         x, y = batches.get(i)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with amp:
             loss = fwd(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone() if cudagraphs else loss.detach())
 
     for i in range(warmup):  # first steps: allocator, cuBLAS/cuDNN heuristics, torch.compile
         step(i)
@@ -205,7 +216,7 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, compile_m
     del model, opt, fwd
     _free(device)
     return {"steps": steps, "warmup": warmup, "wall_s": dt, "ms_per_step": 1e3 * dt / steps,
-            "n_params": n_params, "loss_step0": vals[0], "loss_last": vals[-1], "compiled": compile_model}
+            "n_params": n_params, "loss_step0": vals[0], "loss_last": vals[-1], "compile": backend}
 
 
 def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) -> dict:
@@ -260,9 +271,9 @@ def soak(recipe, out_dir: Path) -> dict:
             "log": str(out_dir / "soak.log")}
 
 
-def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, lockstep_candidate: str, steps=30):
+def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, steps=30):
     """Where the time goes, for a developer: torch.profiler tables (top ops by device time) of the bare loop and
-    of a harness arm with lockstep, and a cProfile of that arm (Python-side and one-time costs)."""
+    of a harness arm (reference kernels, no lockstep), and a cProfile of that arm (Python-side and one-time costs)."""
     import cProfile
     import io
     import pstats
@@ -273,13 +284,14 @@ def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, loc
     out.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    bare_loop(recipe, corpus, vocab, device, precision, 3, 2, recipe.train.compile)  # compiled outside the trace
     with torch_profile(activities=acts) as prof:
-        bare_loop(recipe, corpus, vocab, device, precision, steps, 2)
+        bare_loop(recipe, corpus, vocab, device, precision, steps, 2, recipe.train.compile)
     (out / "profile_bare.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=30))
     pr = cProfile.Profile()
     with torch_profile(activities=acts) as prof:
         pr.enable()
-        harness_arm(recipe, corpus, steps, work, "profiled", lockstep={"fused_embed_rmsnorm": lockstep_candidate})
+        harness_arm(recipe, corpus, steps, work, "profiled")
         pr.disable()
     (out / "profile_harness.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
     buf = io.StringIO()
@@ -340,7 +352,9 @@ def default_lockstep_candidate(device: str) -> str:
 
 
 def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep_candidate=None, do_soak=False,
-              compile_model=False, peak=None, out=None, workdir=None, profile_dir=None, log=print) -> dict:
+              compile_backend="recipe", peak=None, out=None, workdir=None, profile_dir=None, log=print) -> dict:
+    """`compile_backend`: "recipe" keeps the recipe's `train.compile`; None or a backend name overrides it for
+    the harness arms and the like-for-like bare loop (not for --soak, which runs the recipe as it is)."""
     from .cli import quiet_lightning
     from .data import load_corpus
     from .recipe import load_recipe
@@ -350,6 +364,10 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
 
     quiet_lightning()
     recipe = load_recipe(recipe_name)
+    if compile_backend != "recipe":
+        recipe.train.compile = compile_backend
+        recipe.train.validate(f"{recipe.path}: train (--compile)")
+    backend = recipe.train.compile
     if "sgd" not in recipe.optimizers:
         raise SystemExit(f"{recipe.path}: the bench trains with SGD; the recipe has no optimizers.sgd")
     device = resolve_device(recipe)
@@ -367,26 +385,31 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
            "shape": {"n_layers": recipe.model.n_layers, "d_model": recipe.model.d_model,
                      "n_heads": recipe.model.n_heads, "d_ff": recipe.model.d_ff, "seq_len": recipe.model.seq_len,
                      "batch_size": recipe.train.batch_size, "vocab_size": vocab, "tokens_per_step": tokens},
-           "optimizer": {"name": "sgd", "lr": recipe.optimizers["sgd"].lr}, "peak_tflops": peak}
-    log(f"bench: recipe {recipe.name} on {res['env'].get('gpu', device)}, {tokens} tokens/step, {precision}")
+           "optimizer": {"name": "sgd", "lr": recipe.optimizers["sgd"].lr}, "peak_tflops": peak, "compile": backend}
+    log(f"bench: recipe {recipe.name} on {res['env'].get('gpu', device)}, {tokens} tokens/step, {precision}, "
+        f"compile {backend or 'none (eager)'}")
 
     log(f"  bare loop: {warmup} warm-up + {steps} timed steps ...")
     bare = bare_loop(recipe, corpus, vocab, device, precision, steps, warmup)
     flops = model_flops_per_step(recipe.model, bare["n_params"], tokens)
     res["n_params"], res["flops_per_step"] = bare["n_params"], flops
     res["bare"] = {**bare, **_rate(bare["ms_per_step"], tokens, flops, peak)}
-    if compile_model:
-        log("  bare loop under torch.compile ...")
-        comp = bare_loop(recipe, corpus, vocab, device, precision, steps, max(warmup, 3), compile_model=True)
-        res["bare_compiled"] = {**comp, **_rate(comp["ms_per_step"], tokens, flops, peak)}
+    res["bare_compiled"] = None
+    baseline = res["bare"]
+    if backend:
+        log(f"  bare loop under torch.compile (backend {backend}) ...")
+        comp = bare_loop(recipe, corpus, vocab, device, precision, steps, max(warmup, 3), backend)
+        res["bare_compiled"] = baseline = {**comp, **_rate(comp["ms_per_step"], tokens, flops, peak)}
 
     tmp = tempfile.TemporaryDirectory(prefix="divergence-bench-", dir=workdir)
     work = Path(tmp.name)
     try:
         log(f"  harness arm: {steps} steps ...")
         h = harness_arm(recipe, corpus, steps, work, "plain")
+        # vs_bare: against the bare loop compiled as the harness is (like for like); vs_bare_eager: against eager
         res["harness"] = {**h, **_rate(h["ms_per_step"], tokens, flops, peak),
-                          "vs_bare": bare["ms_per_step"] / h["ms_per_step"]}
+                          "vs_bare": baseline["ms_per_step"] / h["ms_per_step"],
+                          "vs_bare_eager": bare["ms_per_step"] / h["ms_per_step"]}
         if lockstep:
             cand = lockstep_candidate or default_lockstep_candidate(device)
             log(f"  harness arm with lockstep on fused_embed_rmsnorm ({cand}), every "
@@ -397,8 +420,7 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
                                "extra_ms_per_step": extra, "overhead": extra / h["ms_per_step"]}
         if profile_dir:
             log(f"  profiles (torch.profiler, cProfile) into {profile_dir} ...")
-            profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir), lockstep_candidate or
-                    default_lockstep_candidate(device))
+            profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir))
     finally:
         tmp.cleanup()
     if do_soak:
@@ -423,29 +445,32 @@ def format_table(res: dict) -> str:
     lines = ["", f"{res['recipe']}: {res['n_params'] / 1e6:.1f}M parameters, {res['shape']['tokens_per_step']:,} "
                  f"tokens/step, {res['flops_per_step'] / 1e12:.3g} TFLOP/step (6·N·tokens + attention), "
                  f"{res['env'].get('gpu', res['env']['device'])}, torch {res['env']['torch']}",
-             f"| {'loop':<44} | {'steps':>5} | {'ms/step':>8} | {'tokens/s':>8} | {'TFLOP/s':>8} | {'MFU':>6} |",
-             f"|{'-' * 46}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 8}|"]
+             f"| {'loop':<50} | {'steps':>5} | {'ms/step':>8} | {'tokens/s':>8} | {'TFLOP/s':>8} | {'MFU':>6} |",
+             f"|{'-' * 52}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 8}|"]
 
     def row(label, r, ms=None):
         ms = r["ms_per_step"] if ms is None else ms
         tflops = res["flops_per_step"] / (ms * 1e-3) / 1e12
         mfu = f"{100 * tflops / res['peak_tflops']:.1f}%" if res["peak_tflops"] else "-"
-        lines.append(f"| {label:<44} | {r['steps']:>5} | {ms:>8.2f} | "
+        lines.append(f"| {label:<50} | {r['steps']:>5} | {ms:>8.2f} | "
                      f"{_fmt_rate(res['shape']['tokens_per_step'] / (ms * 1e-3)):>8} | {tflops:>8.3g} | {mfu:>6} |")
 
     row("bare PyTorch loop, eager", res["bare"])
     if res.get("bare_compiled"):
-        row("bare PyTorch loop, torch.compile", res["bare_compiled"])
+        row(f"bare PyTorch loop, torch.compile ({res['compile']})", res["bare_compiled"])
     h = res.get("harness")
+    how = f"compile {res['compile']}" if res.get("compile") else "eager"
     if h:
-        row("harness arm (run_arm), steady", h)
+        row(f"harness arm (run_arm, {how}), steady", h)
         row("harness arm, end to end (in process)", h, ms=1e3 * h["wall_s"] / h["steps"])
     ls = res.get("lockstep")
     if ls:
         row(f"harness arm + lockstep (every {ls['every']}), steady", ls)
     if h:
         t = h["timings"]
-        lines.append(f"harness vs bare: {h['vs_bare']:.2f}x the bare loop's tokens/s (steady); one-time cost "
+        against = (f"the compiled bare loop's tokens/s ({h['vs_bare_eager']:.2f}x the eager one's)"
+                   if res.get("bare_compiled") else "the bare loop's tokens/s")
+        lines.append(f"harness vs bare: {h['vs_bare']:.2f}x {against} (steady); one-time cost "
                      f"{h['fixed_s']:.1f} s (set-up {t.get('setup_s', 0):.1f} s, Lightning to first step "
                      f"{t.get('fit_start_s', 0):.1f} s, final evaluation {t.get('finish_s', 0):.1f} s); "
                      f"{t['evals']} evaluations {t['eval_s']:.2f} s, {t['snapshots']} snapshots "
@@ -473,7 +498,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-lockstep", action="store_true", help="skip the lockstep-overhead arm")
     ap.add_argument("--lockstep-candidate", help="candidate run by the lockstep check (default: the slot's demo)")
     ap.add_argument("--soak", action="store_true", help="also time the default `divergence ab` (minutes)")
-    ap.add_argument("--compile", action="store_true", help="also time the bare loop under torch.compile")
+    ap.add_argument("--compile", default="recipe", metavar="BACKEND",
+                    help="torch.compile backend for the harness arms and the like-for-like bare loop: none (eager), "
+                         "inductor, aot_eager (default: the recipe's train.compile)")
     ap.add_argument("--peak-tflops", type=float, help="the device's bf16 peak, for MFU (default: data sheet)")
     ap.add_argument("--out", help="JSON output (default results/bench-<recipe>-<time>.json)")
     ap.add_argument("--workdir", help="where the harness arms write (a temporary folder inside, removed after)")
@@ -485,7 +512,8 @@ def main(argv=None) -> int:
 
     try:
         run_bench(recipe_name, steps=args.steps, warmup=args.warmup, lockstep=not args.no_lockstep,
-                  lockstep_candidate=args.lockstep_candidate, do_soak=args.soak, compile_model=args.compile,
+                  lockstep_candidate=args.lockstep_candidate, do_soak=args.soak,
+                  compile_backend=None if args.compile == "none" else args.compile,
                   peak=args.peak_tflops, out=out, workdir=args.workdir, profile_dir=args.profile)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -36,6 +36,13 @@ def _rel(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(_diff(a, o)) / torch.linalg.vector_norm(o).clamp_min(1e-300)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bits as integers (equal bits: untouched, NaN included); other tensors as they are."""
+    if x.is_floating_point():
+        return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    return x
+
+
 def _row_sq(x: torch.Tensor) -> torch.Tensor:
     """Per-row sums of squares of a 2-D tensor, in float64 (V,)."""
     return torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
@@ -49,15 +56,33 @@ class Lockstep:
         self.every = max(1, recipe.ab.lockstep_every)
         self.kernels, self.rec = kernels, recorder
         vocab = kernels.context.get("vocab_size")
-        self.buckets = None
+        self.buckets = None  # bucket names, and each row's bucket index (len(buckets) for rows in none)
+        keys = ["lockstep/cos"]
         if "grad_embed_weight" in self.contract.outputs:
-            self.buckets = {b: torch.as_tensor(r) for b, r in bucket_rows(corpus.rank, vocab).items()}
-        self.step = -1
-        self.rows = {}  # step -> {metric: tensor}
+            rows = bucket_rows(corpus.rank, vocab)
+            bucket_of = torch.full((vocab,), len(rows), dtype=torch.long)
+            for i, r in enumerate(rows.values()):
+                bucket_of[torch.as_tensor(r)] = i
+            self.buckets, self.bucket_of = list(rows), bucket_of
+            keys += [f"lockstep/{b}/{m}" for b in rows for m in ("err_candidate", "err_reference", "norm_ratio")]
+        keys += ["lockstep/err_candidate", "lockstep/err_reference", "lockstep/floor"]
+        if self.slot == "attn_softcap":
+            keys.append("lockstep/max_abs_input")
+        self.keys = keys  # the order of each step's packed float64 vector
+        self.is_err = torch.tensor(["err" in k for k in keys])
+        self.rows = {}  # step -> packed (len(keys),) float64 tensor on the device
         self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
-        self.mutation = {}  # input name -> device flag: did the candidate write into it (no sync per step)
+        self.mutation = None  # (n inputs,) device flags: did the candidate write into input i (no sync per step)
         self.error = None  # the candidate raised on live inputs: recorded once, checking stops
-        self.floors = {}  # (floor, device) -> float64 scalar tensor
+        # The oracle and the error metrics are the harness's own code: under `train.compile` they run as one
+        # compiled graph (about 150 small kernels a check otherwise). The candidate always runs as written.
+        self.measure = self._measure
+        if recipe.train.compile:
+            from .model.transformer import compile_options
+
+            opts = compile_options(recipe.train.compile)
+            opts.pop("mode", None)  # no CUDA graphs: the check runs on autograd's thread, beside the step's graphs
+            self.measure = torch.compile(self._measure, dynamic=False, **opts)
         kernels.add_tap(self.tap, [self.slot])
         recorder.lockstep = self
 
@@ -72,70 +97,76 @@ class Lockstep:
             self.error = f"step {step}: {type(e).__name__}: {e}".splitlines()[0][:300]
             return
         prev = self.rows.get(step)
-        # Several calls per step (e.g. one rmsnorm per layer): keep the worst of each error.
-        self.rows[step] = row if prev is None else {k: torch.maximum(v, prev[k]) if "err" in k else v
-                                                    for k, v in row.items()}
+        # Several calls per step (e.g. one rmsnorm per layer): keep the worst of each error, the last of the rest.
+        if prev is not None:
+            row = torch.where(self.is_err.to(row.device, non_blocking=True), torch.maximum(row, prev), row)
+        self.rows[step] = row
 
-    def _check(self, inputs, ref_out):
+    def _check(self, inputs, ref_out) -> torch.Tensor:
         ctx = {k: self.kernels.context[k] for k in self.contract.context}
         fresh = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
         cand = as_tuple(self.impl.fn(*fresh, **ctx))
-        for name, a, b in zip(self.contract.inputs, fresh, inputs):
-            if isinstance(a, torch.Tensor):
-                changed = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else (a != b)
-                flag = self.mutation.get(name)
-                self.mutation[name] = changed.any() if flag is None else flag | changed.any()
-        orc = as_tuple(self.contract.oracle(*oracle_inputs(self.contract, inputs), **ctx))
+        # Did the candidate write into an input? Bitwise comparison with the untouched original (NaN-safe in one
+        # kernel per input); device flags, read once at the end.
+        self._tensor_inputs = [isinstance(a, torch.Tensor) for a in fresh]
+        changed = torch.stack([_bits(a).ne(_bits(b)).any() for a, b in zip(fresh, inputs)
+                               if isinstance(a, torch.Tensor)])
+        self.mutation = changed if self.mutation is None else self.mutation | changed
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
-        dev = orc[0].device
+        bucket_of = None
         if self.buckets is not None:
-            row = self._embedding_rows(cand, ref_out, orc)
-            first_c, first_r = row.pop("_err_c"), row.pop("_err_r")
+            if self.bucket_of.device != cand[0].device:  # once: no host-to-device copy per step
+                self.bucket_of = self.bucket_of.to(cand[0].device)
+            bucket_of = self.bucket_of
+        return self.measure(tuple(inputs), cand, tuple(ref_out), ctx, floor, bucket_of)
+
+    def _measure(self, inputs, cand, ref_out, ctx, floor: float, bucket_of):
+        """The oracle on the live inputs and every metric of `self.keys`, packed into one float64 vector."""
+        orc = as_tuple(self.contract.oracle(*oracle_inputs(self.contract, inputs), **ctx))
+        tiny = 1e-300
+        if bucket_of is not None:
+            c, r, o = cand[0], ref_out[0], orc[0]
+            cf = torch.nan_to_num(c.to(torch.float64))
+            # Per-row sums of squares, then every bucket's sums with one index_add: (buckets, 4).
+            stats = torch.stack([_row_sq(_diff(c, o)), _row_sq(_diff(r, o)), _row_sq(o), _row_sq(cf)], 1)
+            sums = torch.zeros(len(self.buckets) + 1, 4, dtype=torch.float64, device=o.device)
+            sums = sums.index_add(0, bucket_of, stats)
+            total = stats.sum(0)
+            oo = total[2].clamp_min(tiny)
+            cos = (cf * o).sum() / (total[3] * total[2]).sqrt().clamp_min(tiny)
+            first_c, first_r = (total[0] / oo).sqrt(), (total[1] / oo).sqrt()
+            ob = sums[:-1, 2].clamp_min(tiny)
+            per_bucket = torch.stack([(sums[:-1, 0] / ob).sqrt(), (sums[:-1, 1] / ob).sqrt(),
+                                      (sums[:-1, 3] / ob).sqrt()], 1).flatten()  # bucket-major, as in keys
+            head = [cos.reshape(1), per_bucket]
         else:
             c0, o0 = cand[0].to(torch.float64).flatten(), orc[0].flatten()
-            row = {"lockstep/cos": torch.nn.functional.cosine_similarity(torch.nan_to_num(c0), o0, dim=0)}
+            cos = torch.nn.functional.cosine_similarity(torch.nan_to_num(c0), o0, dim=0)
             first_c, first_r = _rel(cand[0], orc[0]), _rel(ref_out[0], orc[0])
+            head = [cos.reshape(1)]
         err_c = torch.stack([first_c] + [_rel(c, o) for c, o in zip(cand[1:], orc[1:])]).max()
         err_r = torch.stack([first_r] + [_rel(r, o) for r, o in zip(ref_out[1:], orc[1:])]).max()
-        if (floor, dev) not in self.floors:  # once: a blocking host-to-device copy per step would sync the GPU
-            self.floors[(floor, dev)] = torch.tensor(floor, dtype=torch.float64, device=dev)
-        row.update({"lockstep/err_candidate": err_c, "lockstep/err_reference": err_r,
-                    "lockstep/floor": self.floors[(floor, dev)]})
+        tail = [err_c.reshape(1), err_r.reshape(1), torch.full((1,), floor, dtype=torch.float64, device=err_c.device)]
         if self.slot == "attn_softcap":
             x = inputs[0]
-            row["lockstep/max_abs_input"] = x.masked_fill(torch.isinf(x), 0).abs().max().to(torch.float64)
-        return row
+            tail.append(x.masked_fill(torch.isinf(x), 0).abs().max().to(torch.float64).reshape(1))
+        return torch.cat(head + tail)
 
-    def _embedding_rows(self, cand, ref_out, orc) -> dict:
-        """Overall and per-bucket errors of an embedding gradient from per-row sums (V,): five passes over the
-        (V, H) outputs, then only V-sized gathers per bucket, instead of copying each bucket's rows three times."""
-        c, r, o = cand[0], ref_out[0], orc[0]
-        if next(iter(self.buckets.values())).device != o.device:  # once: no host-to-device copy per step
-            self.buckets = {b: rows.to(o.device) for b, rows in self.buckets.items()}
-        cf = torch.nan_to_num(c.to(torch.float64))
-        ec, er, oo, cc = _row_sq(_diff(c, o)), _row_sq(_diff(r, o)), _row_sq(o), _row_sq(cf)
-        co = (cf * o).sum(1)
-        tiny = 1e-300
-        row = {"_err_c": (ec.sum() / oo.sum().clamp_min(tiny)).sqrt(),
-               "_err_r": (er.sum() / oo.sum().clamp_min(tiny)).sqrt(),
-               "lockstep/cos": co.sum() / (cc.sum() * oo.sum()).sqrt().clamp_min(tiny)}
-        for b, rows in self.buckets.items():
-            ob = oo[rows].sum().clamp_min(tiny)
-            row[f"lockstep/{b}/err_candidate"] = (ec[rows].sum() / ob).sqrt()
-            row[f"lockstep/{b}/err_reference"] = (er[rows].sum() / ob).sqrt()
-            row[f"lockstep/{b}/norm_ratio"] = (cc[rows].sum() / ob).sqrt()
-        return row
-
-    def collect(self, step: int) -> dict:
-        """Called by the recorder at flush time: this step's lockstep metrics as floats, and the rule applied."""
-        row = self.rows.pop(step, None)
-        if row is None:
+    def collect_steps(self, steps) -> dict:
+        """Called by the recorder at flush time: step -> that step's lockstep metrics as floats (one copy for all
+        the steps of the flush), with the rule applied."""
+        have = [s for s in steps if s in self.rows]
+        if not have:
             return {}
-        vals = dict(zip(row, torch.stack([v.to(torch.float64).reshape(()) for v in row.values()]).cpu().tolist()))
-        wrong = self._wrong(vals)
-        vals["lockstep/wrong"] = float(wrong)
-        self.history.append((step, wrong, vals["lockstep/err_candidate"], vals["lockstep/err_reference"]))
-        return vals
+        packed = torch.stack([self.rows.pop(s) for s in have]).cpu().tolist()
+        out = {}
+        for step, vals in zip(have, packed):
+            vals = dict(zip(self.keys, vals))
+            wrong = self._wrong(vals)
+            vals["lockstep/wrong"] = float(wrong)
+            self.history.append((step, wrong, vals["lockstep/err_candidate"], vals["lockstep/err_reference"]))
+            out[step] = vals
+        return out
 
     @staticmethod
     def _wrong(v: dict) -> bool:
@@ -144,6 +175,12 @@ class Lockstep:
         pairs += [(k, k.replace("err_candidate", "err_reference")) for k in v
                   if k.endswith("/err_candidate") and k != "lockstep/err_candidate"]
         return any(not (v[c] <= RATIO * v[r] + floor) for c, r in pairs)  # NaN counts as wrong
+
+    def _mutated_input(self):
+        if self.mutation is None:
+            return None
+        names = [n for n, x in zip(self.contract.inputs, self._tensor_inputs) if x]
+        return next((n for n, f in zip(names, self.mutation.cpu().tolist()) if f), None)
 
     def summary(self) -> dict:
         run, first = 0, None
@@ -159,7 +196,7 @@ class Lockstep:
             "worst_step": worst[0] if worst else None,
             "worst_err_candidate": worst[2] if worst else None,
             "worst_err_reference": worst[3] if worst else None,
-            "mutated_input": next((n for n, f in self.mutation.items() if bool(f)), None),
+            "mutated_input": self._mutated_input(),
             "error": self.error,
             "rule": f"err_candidate <= {RATIO} x err_reference + rounding floor, overall and per frequency "
                     f"bucket; wrong after {WINDOW} consecutive checked steps over it",

@@ -19,6 +19,9 @@ from .errors import RecipeError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
+# null: eager; inductor: fused kernels; inductor+cudagraphs: and CUDA graphs (reduce-overhead); aot_eager, eager:
+# traced but not code-generated (for tests).
+COMPILE_BACKENDS = (None, "inductor", "inductor+cudagraphs", "aot_eager", "eager")
 
 
 @dataclass
@@ -99,6 +102,9 @@ class TrainConfig:
     grad_clip: Optional[float] = None  # max global grad norm; off by default: clipping can hide the bugs we hunt
     threads: int = 1  # CPU threads per arm: fixed so that CPU runs are bitwise reproducible
     progress: bool = True  # progress bar
+    # torch.compile backend for the blocks and the loss, the same in every arm (candidates stay outside the graphs):
+    # inductor on the GPU recipes (fuses the fp32 upcasts that dominate the eager step); null = eager.
+    compile: Optional[str] = None
 
     def validate(self, where):
         for k in ("steps", "batch_size", "val_every", "val_batches", "threads"):
@@ -110,6 +116,9 @@ class TrainConfig:
             raise RecipeError(f"{_j(where)}device: unknown {self.device!r}; known: auto, cpu, cuda")
         if self.precision not in ("auto", "fp32", "bf16-mixed"):
             raise RecipeError(f"{_j(where)}precision: unknown {self.precision!r}; known: auto, fp32, bf16-mixed")
+        if self.compile not in COMPILE_BACKENDS:
+            raise RecipeError(f"{_j(where)}compile: unknown backend {self.compile!r}; known: null (eager), "
+                              + ", ".join(b for b in COMPILE_BACKENDS if b))
 
 
 @dataclass

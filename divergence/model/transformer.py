@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..slots.registry import Kernels
 from ..slots.rope import inv_freq_for
-from .ops import EmbedRMSNorm, RMSNorm, call_forward_slot
+from .ops import EmbedRMSNorm, call_forward_slot, observed_rmsnorm
 
 PARAM_GROUPS = ("embedding", "norms", "attention", "mlp", "head")
 
@@ -32,7 +32,7 @@ class Norm(nn.Module):
         if self.kernels.is_reference("rmsnorm") and self.kernels.is_plain("rmsnorm_backward"):
             # The reference is plain differentiable ops: autograd's own backward, as fast as a bare loop.
             return self.kernels("rmsnorm", x, self.weight, self.eps)
-        return RMSNorm.apply(x, self.weight, self.eps, self.kernels)
+        return observed_rmsnorm(x, self.weight, self.eps, self.kernels)
 
 
 class Attention(nn.Module):
@@ -93,6 +93,7 @@ class Transformer(nn.Module):
         self.final_norm = Norm(cfg.d_model, cfg.norm_eps, kernels)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq_for(cfg.d_model // cfg.n_heads, cfg.rope_theta), persistent=False)
+        self.body = self._body  # compile_body replaces it
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -119,12 +120,26 @@ class Transformer(nn.Module):
             return "attention"
         return "mlp"
 
+    def compile_body(self, spec: str):
+        """torch.compile everything after the embedding (the blocks, final norm, head and loss) as one graph; the
+        embedding, whose backward is the `fused_embed_rmsnorm` slot, stays out. Inside, plain reference slots are
+        fused with their neighbours; every other slot call breaks the graph (`torch.compiler.disable` in ops.py),
+        so a candidate runs as written, never traced or rewritten."""
+        self.body = torch.compile(self._body, dynamic=False, **compile_options(spec))
+
     def forward(self, ids, targets=None):
         B, S = ids.shape
         x = EmbedRMSNorm.apply(self.embed, self.embed_norm, ids, self.cfg.norm_eps, self.kernels)  # (B, S, D)
         position_ids = torch.arange(S, device=ids.device).expand(B, S)
+        return self.body(x, position_ids, targets)
+
+    def _body(self, x, position_ids, targets):
         for block in self.blocks:
             x = block(x, position_ids, self.inv_freq)
+        return self._tail(x, targets)
+
+    def _tail(self, x, targets):
+        B, S, _ = x.shape
         logits = self.head(self.final_norm(x))  # (B, S, V)
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
@@ -133,6 +148,18 @@ class Transformer(nn.Module):
             return logits
         loss = call_forward_slot(self.kernels, "cross_entropy", logits.reshape(B * S, -1), targets.reshape(-1))
         return logits, loss
+
+
+def compile_options(spec: str) -> dict:
+    """`train.compile` -> torch.compile keywords: `inductor+cudagraphs` is inductor with CUDA graphs (mode
+    reduce-overhead: each compiled graph replays with one launch instead of one per kernel)."""
+    if spec == "inductor+cudagraphs":
+        return {"backend": "inductor", "mode": "reduce-overhead"}
+    return {"backend": spec}
+
+
+def uses_cudagraphs(spec) -> bool:
+    return spec == "inductor+cudagraphs"
 
 
 def build_model(cfg, vocab_size: int, kernels: Kernels, seed: int) -> Transformer:

@@ -119,7 +119,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
         rec.writer.close()
         info.update(status=e.status, stop_step=e.step, stop_where=e.where)
     except Exception as e:  # a candidate that raises: the arm ends, the run goes on
-        rec.writer.close()
+        rec.close()
         info.update(status="CRASH", error=f"{type(e).__name__}: {e}".splitlines()[0][:500],
                     traceback=traceback.format_exc()[-4000:])
     info["wall_s"] = time.time() - t0

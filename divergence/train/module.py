@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import torch
 
 from ..model import PARAM_GROUPS, build_model
+from ..model.transformer import uses_cudagraphs
 from .optim import build_optimizer, lr_lambda
 
 
@@ -15,6 +16,9 @@ class ArmModule(pl.LightningModule):
         self.automatic_optimization = False
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
+        if recipe.train.compile:
+            self.model.compile_body(recipe.train.compile)
+        self.cudagraphs = uses_cudagraphs(recipe.train.compile)
         self.step_no = 0
         groups = [PARAM_GROUPS.index(self.model.param_group(n)) for n, _ in self.model.named_parameters()]
         self.register_buffer("group_of", torch.tensor(groups), persistent=False)  # moves to the device with the module
@@ -43,6 +47,8 @@ class ArmModule(pl.LightningModule):
         if self.prev is None:
             self.prev = [p.detach().clone() for p in params]
         opt.zero_grad(set_to_none=True)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs may be reused
         _, loss = self.model(x, y)
         self.manual_backward(loss)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -56,7 +62,10 @@ class ArmModule(pl.LightningModule):
             deltas = torch._foreach_sub([p.detach() for p in params], self.prev)
             ratio = self._group_norms(deltas) / self._group_norms(self.prev).clamp_min(1e-30)
             torch._foreach_copy_(self.prev, [p.detach() for p in params])
-        self.sink.after_step(self, step, loss.detach(), gnorm, ratio, lr)
+        # A copy: under CUDA graphs the loss lives in the graph's memory, rewritten by the next replay, and the
+        # recorder holds it until its next flush.
+        self.sink.after_step(self, step, loss.detach().clone() if self.cudagraphs else loss.detach(), gnorm, ratio,
+                             lr)
         self.step_no += 1
         if self.trainer.progress_bar_callback is not None:
             # Only for a visible progress bar: Lightning turns progress-bar values into Python floats every step,
@@ -66,24 +75,32 @@ class ArmModule(pl.LightningModule):
     def on_train_end(self):
         # The last evaluation and snapshot, while the model is still on the device: after `fit`, Lightning's
         # teardown moves it to the CPU, where the h200 recipe's final evaluation took 10 s (H200, 2026-11-21).
-        self.sink.finish(self)
+        # Under the training precision, as every other evaluation (which run inside training_step): outside it, the
+        # last one ran in fp32 under bf16-mixed (seen as fp32 GEMMs in a profile).
+        with self.trainer.precision_plugin.forward_context():
+            self.sink.finish(self)
 
+    # Evaluations run eagerly under `train.compile`: no-grad passes and the one-sequence log-prob batch would each
+    # compile their own graphs, for 5 forward passes every `val_every` steps.
     @torch.no_grad()
-    def evaluate(self, batches) -> float:
+    @torch.compiler.set_stance("force_eager")
+    def evaluate(self, batches) -> torch.Tensor:
+        """Mean validation loss, a float64 scalar left on the device (the recorder reads it at its next flush)."""
         was = self.model.training
         self.model.eval()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in batches:
-            _, loss = self.model(x.to(self.device), y.to(self.device))
-            total += float(loss)
+            _, loss = self.model(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            total += loss.double()
         self.model.train(was)
         return total / max(1, len(batches))
 
     @torch.no_grad()
+    @torch.compiler.set_stance("force_eager")
     def eval_logprobs(self, x) -> torch.Tensor:
         was = self.model.training
         self.model.eval()
-        logits = self.model(x.to(self.device))
+        logits = self.model(x.to(self.device, non_blocking=True))
         self.model.train(was)
         return torch.log_softmax(logits.float(), -1)
 
