@@ -248,7 +248,10 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
            "fixed_s": info["wall_s"] - 1e-3 * t["steady_ms_per_step"] * steps,
            "loss_step0": losses[0], "loss_last": losses[-1]}
     if lockstep:
-        res["lockstep"] = {k: info.get("lockstep", {}).get(k) for k in ("candidate", "checked_steps", "wrong")}
+        res["lockstep"] = {k: info.get("lockstep", {}).get(k) for k in ("candidate", "checked_steps", "wrong", "error",
+                                                                         "compiled_metrics", "compile_fallback")}
+        if res["lockstep"]["error"]:  # a check that stopped costs nothing: its figure would be a lie
+            raise RuntimeError(f"bench arm {name}: the lockstep check stopped: {res['lockstep']['error']}")
     _free(resolve_device(r))
     return res
 
@@ -478,7 +481,9 @@ def format_table(res: dict) -> str:
         lines.append(f"loss at step 0 (same weights, same batch): bare {res['bare']['loss_step0']:.5f}, "
                      f"harness {h['loss_step0']:.5f}")
     if ls:
-        lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}): {ls['extra_ms_per_step']:+.2f} "
+        how = ("compiled metrics" if ls["lockstep"].get("compiled_metrics") else
+               f"eager metrics ({ls['lockstep'].get('compile_fallback') or 'not compiled'})")
+        lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}, {how}): {ls['extra_ms_per_step']:+.2f} "
                      f"ms/step ({100 * ls['overhead']:+.1f}% of the harness step)")
     if res.get("soak"):
         s = res["soak"]

@@ -12,6 +12,7 @@ token-frequency bucket; for `attn_softcap`, `lockstep/max_abs_input` (error as a
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .ab.compare import bucket_rows
@@ -56,14 +57,14 @@ class Lockstep:
         self.every = max(1, recipe.ab.lockstep_every)
         self.kernels, self.rec = kernels, recorder
         vocab = kernels.context.get("vocab_size")
-        self.buckets = None  # bucket names, and each row's bucket index (len(buckets) for rows in none)
+        self.buckets = None  # bucket names; `order`: their rows one after the other; `bounds`: each one's slice
         keys = ["lockstep/cos"]
         if "grad_embed_weight" in self.contract.outputs:
             rows = bucket_rows(corpus.rank, vocab)
-            bucket_of = torch.full((vocab,), len(rows), dtype=torch.long)
-            for i, r in enumerate(rows.values()):
-                bucket_of[torch.as_tensor(r)] = i
-            self.buckets, self.bucket_of = list(rows), bucket_of
+            self.buckets = list(rows)
+            self.order = torch.as_tensor(np.concatenate(list(rows.values())), dtype=torch.long)
+            ends = np.cumsum([len(r) for r in rows.values()]).tolist()
+            self.bounds = tuple(zip([0] + ends[:-1], ends))
             keys += [f"lockstep/{b}/{m}" for b in rows for m in ("err_candidate", "err_reference", "norm_ratio")]
         keys += ["lockstep/err_candidate", "lockstep/err_reference", "lockstep/floor"]
         if self.slot == "attn_softcap":
@@ -74,15 +75,17 @@ class Lockstep:
         self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
         self.mutation = None  # (n inputs,) device flags: did the candidate write into input i (no sync per step)
         self.error = None  # the candidate raised on live inputs: recorded once, checking stops
-        # The oracle and the error metrics are the harness's own code: under `train.compile` they run as one
-        # compiled graph (about 150 small kernels a check otherwise). The candidate always runs as written.
-        self.measure = self._measure
+        # The error metrics are the harness's own code: under `train.compile` they run as one compiled graph (about
+        # 100 small kernels a check otherwise). The candidate and the oracle run as written (compiling the embedding
+        # oracle with them failed to build in Triton 3.6 on the H200, 2026-11-21).
+        self.measure, self.compiled = self._measure, False
+        self.compile_fallback = None  # why the compiled metrics were given up for eager ones, if they were
         if recipe.train.compile:
             from .model.transformer import compile_options
 
             opts = compile_options(recipe.train.compile)
             opts.pop("mode", None)  # no CUDA graphs: the check runs on autograd's thread, beside the step's graphs
-            self.measure = torch.compile(self._measure, dynamic=False, **opts)
+            self.measure, self.compiled = torch.compile(self._measure, dynamic=False, **opts), True
         kernels.add_tap(self.tap, [self.slot])
         recorder.lockstep = self
 
@@ -113,31 +116,39 @@ class Lockstep:
                                if isinstance(a, torch.Tensor)])
         self.mutation = changed if self.mutation is None else self.mutation | changed
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
-        bucket_of = None
+        order = None
         if self.buckets is not None:
-            if self.bucket_of.device != cand[0].device:  # once: no host-to-device copy per step
-                self.bucket_of = self.bucket_of.to(cand[0].device)
-            bucket_of = self.bucket_of
-        return self.measure(tuple(inputs), cand, tuple(ref_out), ctx, floor, bucket_of)
-
-    def _measure(self, inputs, cand, ref_out, ctx, floor: float, bucket_of):
-        """The oracle on the live inputs and every metric of `self.keys`, packed into one float64 vector."""
+            if self.order.device != cand[0].device:  # once: no host-to-device copy per step
+                self.order = self.order.to(cand[0].device)
+            order = self.order
         orc = as_tuple(self.contract.oracle(*oracle_inputs(self.contract, inputs), **ctx))
+        args = (tuple(inputs), cand, tuple(ref_out), orc, floor, order)
+        if not self.compiled:
+            return self._measure(*args)
+        try:
+            return self.measure(*args)
+        except Exception as e:  # our compiled code failed, not the candidate: check on, eagerly, and say so
+            self.compile_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            self.measure, self.compiled = self._measure, False
+            return self._measure(*args)
+
+    def _measure(self, inputs, cand, ref_out, orc, floor: float, order):
+        """Every metric of `self.keys` against the oracle's outputs `orc`, packed into one float64 vector."""
         tiny = 1e-300
-        if bucket_of is not None:
+        if order is not None:
             c, r, o = cand[0], ref_out[0], orc[0]
             cf = torch.nan_to_num(c.to(torch.float64))
-            # Per-row sums of squares, then every bucket's sums with one index_add: (buckets, 4).
+            # Per-row sums of squares (V, 4), then each bucket's sums over its slice of the rows in bucket order.
             stats = torch.stack([_row_sq(_diff(c, o)), _row_sq(_diff(r, o)), _row_sq(o), _row_sq(cf)], 1)
-            sums = torch.zeros(len(self.buckets) + 1, 4, dtype=torch.float64, device=o.device)
-            sums = sums.index_add(0, bucket_of, stats)
+            ranked = stats[order]
+            sums = torch.stack([ranked[a:b].sum(0) for a, b in self.bounds])  # (buckets, 4)
             total = stats.sum(0)
             oo = total[2].clamp_min(tiny)
             cos = (cf * o).sum() / (total[3] * total[2]).sqrt().clamp_min(tiny)
             first_c, first_r = (total[0] / oo).sqrt(), (total[1] / oo).sqrt()
-            ob = sums[:-1, 2].clamp_min(tiny)
-            per_bucket = torch.stack([(sums[:-1, 0] / ob).sqrt(), (sums[:-1, 1] / ob).sqrt(),
-                                      (sums[:-1, 3] / ob).sqrt()], 1).flatten()  # bucket-major, as in keys
+            ob = sums[:, 2].clamp_min(tiny)
+            per_bucket = torch.stack([(sums[:, 0] / ob).sqrt(), (sums[:, 1] / ob).sqrt(),
+                                      (sums[:, 3] / ob).sqrt()], 1).flatten()  # bucket-major, as in keys
             head = [cos.reshape(1), per_bucket]
         else:
             c0, o0 = cand[0].to(torch.float64).flatten(), orc[0].flatten()
@@ -197,6 +208,8 @@ class Lockstep:
             "worst_err_candidate": worst[2] if worst else None,
             "worst_err_reference": worst[3] if worst else None,
             "mutated_input": self._mutated_input(),
+            "compiled_metrics": self.compiled,
+            "compile_fallback": self.compile_fallback,
             "error": self.error,
             "rule": f"err_candidate <= {RATIO} x err_reference + rounding floor, overall and per frequency "
                     f"bucket; wrong after {WINDOW} consecutive checked steps over it",
