@@ -53,3 +53,31 @@ def test_lockstep_sees_a_forward_slot_too(tmp_path):
     assert info["lockstep"]["wrong"]
     assert all(r["lockstep/max_abs_input"] > 0 for r in rows if "loss" in r)
 
+
+
+def test_several_calls_in_one_step_keep_the_worst_error_and_the_last_of_the_rest():
+    """One rmsnorm per layer: the step's row holds each error's maximum over the calls."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from divergence.lockstep import Lockstep
+    from divergence.slots import build_kernels, rmsnorm
+
+    rec = SimpleNamespace(current_step=0, lockstep=None)
+    lk = Lockstep(load_recipe("tiny"), {"rmsnorm": "null-1"}, build_kernels({}, {"vocab_size": 64}),
+                  SimpleNamespace(rank=np.arange(64)), rec)
+    calls = []
+    for seed, scale in ((0, 1.0), (1, 30.0)):
+        x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(seed), scale=scale, dtype=torch.bfloat16)
+        calls.append(((x, w, eps), rmsnorm.reference(x, w, eps)))
+    alone = [lk._check(i, (o,)) for i, o in calls]
+    lk.mutation = None
+    for i, o in calls:
+        lk.tap("rmsnorm", i, o)
+    got = dict(zip(lk.keys, lk.rows[0].tolist()))
+    for j, k in enumerate(lk.keys):
+        want = max(alone[0][j], alone[1][j]) if "err" in k else alone[1][j]
+        assert got[k] == pytest.approx(float(want), rel=1e-12), k
+    assert alone[0][lk.keys.index("lockstep/err_reference")] != alone[1][lk.keys.index("lockstep/err_reference")]
