@@ -102,8 +102,9 @@ class TrainConfig:
     grad_clip: Optional[float] = None  # max global grad norm; off by default: clipping can hide the bugs we hunt
     threads: int = 1  # CPU threads per arm: fixed so that CPU runs are bitwise reproducible
     progress: bool = True  # progress bar
-    # torch.compile backend for the blocks and the loss, the same in every arm (candidates stay outside the graphs):
-    # inductor on the GPU recipes (fuses the fp32 upcasts that dominate the eager step); null = eager.
+    # torch.compile of all but the embedding, the same in every arm (candidates stay outside the graph): the GPU
+    # recipes' inductor+cudagraphs fuses the fp32 upcasts that dominate the eager step and replays each step as a
+    # CUDA graph (COMPILE_BACKENDS above); null = eager.
     compile: Optional[str] = None
 
     def validate(self, where):

@@ -96,10 +96,13 @@ def test_candidates_run_outside_the_graph_and_plain_references_inside():
     assert compiling == [False] * r.model.n_layers  # called, and never while tracing
     assert _calls(graphs, "silu") == 0 and len(graphs) > 1  # the graph breaks at each candidate call
 
-    # A reference someone watches (a lockstep tap) is not plain: it runs as written too.
-    k = build_kernels({}, {"vocab_size": VOCAB})
-    k.add_tap(lambda *a: None, ["swiglu"])
-    assert _calls(_graphs_of(build_model(r.model, VOCAB, k, 0), r), "silu") == 0
+    # A reference someone watches (a lockstep tap) is not plain: it runs as written too, its tap never traced.
+    for slot, op in (("swiglu", "silu"), ("rmsnorm", "rsqrt")):
+        tapped = []
+        k = build_kernels({}, {"vocab_size": VOCAB})
+        k.add_tap(lambda *a: tapped.append(torch.compiler.is_compiling()), [slot])
+        assert _calls(plain, op) > 0 and _calls(_graphs_of(build_model(r.model, VOCAB, k, 0), r), op) == 0, slot
+        assert tapped and not any(tapped), slot
 
 
 def _lockstep(compile_backend):
