@@ -175,9 +175,8 @@ def _free(device):
 def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=None) -> dict:
     """`backend`: None for eager, else a `train.compile` value: torch.compile of the whole model (a user's one
     line; the harness compiles all but the embedding, whose backward is a slot)."""
-    from .model.transformer import compile_options, uses_cudagraphs
-
     from .data import Batches
+    from .model.transformer import compile_options, uses_cudagraphs
 
     torch.set_num_threads(recipe.train.threads)
     model = BareTransformer(recipe.model, vocab)

@@ -61,3 +61,21 @@ def test_bench_runs_on_cpu_with_the_tiny_recipe(tmp_path):
     tol = 1e-5 if r["precision"] == "32-true" else 1e-3
     assert r["bare"]["loss_step0"] == pytest.approx(r["harness"]["loss_step0"], rel=tol)
     assert list(tmp_path.iterdir()) == [out]  # the arms' folders are cleaned up
+
+
+def test_bench_compares_like_with_like_under_compile(tmp_path):
+    """With --compile the bare loop is timed eager and compiled; vs_bare is against the compiled one."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "divergence.bench", "--recipe", "tiny", "--steps", "4", "--compile", "aot_eager",
+           "--no-lockstep", "--out", str(out), "--workdir", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["compile"] == "aot_eager" and r["bare"]["compile"] is None and r["bare_compiled"]["compile"] == "aot_eager"
+    h = r["harness"]
+    assert h["vs_bare"] == pytest.approx(r["bare_compiled"]["ms_per_step"] / h["ms_per_step"])
+    assert h["vs_bare_eager"] == pytest.approx(r["bare"]["ms_per_step"] / h["ms_per_step"])
+    assert "compiled bare loop" in res.stdout and "torch.compile (aot_eager)" in res.stdout
+    assert r["bare_compiled"]["loss_step0"] == pytest.approx(r["bare"]["loss_step0"], rel=1e-5)
+    bad = subprocess.run(cmd[:5] + ["--compile", "turbo"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "compile: unknown backend 'turbo'" in bad.stderr
