@@ -249,8 +249,10 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
     if lockstep:
         res["lockstep"] = {k: info.get("lockstep", {}).get(k) for k in ("candidate", "checked_steps", "wrong", "error",
                                                                          "compiled_metrics", "compile_fallback")}
-        if res["lockstep"]["error"]:  # a check that stopped costs nothing: its figure would be a lie
-            raise RuntimeError(f"bench arm {name}: the lockstep check stopped: {res['lockstep']['error']}")
+        # A check that stopped, or never ran, costs nothing: its figure would be a lie.
+        if res["lockstep"]["error"] or res["lockstep"]["checked_steps"] < steps // r.ab.lockstep_every:
+            raise RuntimeError(f"bench arm {name}: the lockstep check ran {res['lockstep']['checked_steps']} of "
+                               f"{steps} steps: {res['lockstep']['error']}")
     _free(resolve_device(r))
     return res
 
@@ -343,14 +345,9 @@ def _rate(ms_per_step, tokens, flops, peak) -> dict:
 def default_lockstep_candidate(device: str) -> str:
     """A fast, correct kernel, so that the lockstep figure is the check's cost (clone, float64 oracle, per-bucket
     errors), not a slow candidate's: the Triton fp32 kernel on CUDA, the sort/segment one on CPU."""
-    if device == "cuda":
-        try:
-            import triton  # noqa: F401
+    from .zoo import has_triton
 
-            return "zoo:triton_embed_fp32"
-        except ImportError:
-            pass
-    return "zoo:embed_sort_segment"
+    return "zoo:triton_embed_fp32" if device == "cuda" and has_triton() else "zoo:embed_sort_segment"
 
 
 def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep_candidate=None, do_soak=False,
@@ -500,7 +497,8 @@ def main(argv=None) -> int:
                                               "recipe's), for the bare loop and each harness arm")
     ap.add_argument("--warmup", type=int, help="untimed warm-up steps of the bare loop")
     ap.add_argument("--no-lockstep", action="store_true", help="skip the lockstep-overhead arm")
-    ap.add_argument("--lockstep-candidate", help="candidate run by the lockstep check (default: the slot's demo)")
+    ap.add_argument("--lockstep-candidate", help="candidate run by the lockstep check (default: a fast correct "
+                    "kernel, zoo:triton_embed_fp32 on CUDA, zoo:embed_sort_segment on CPU)")
     ap.add_argument("--soak", action="store_true", help="also time the default `divergence ab` (minutes)")
     ap.add_argument("--compile", default="recipe", metavar="BACKEND",
                     help="torch.compile backend for the harness arms and the like-for-like bare loop: none (eager), "

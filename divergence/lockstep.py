@@ -57,11 +57,10 @@ class Lockstep:
         self.every = max(1, recipe.ab.lockstep_every)
         self.kernels, self.rec = kernels, recorder
         vocab = kernels.context.get("vocab_size")
-        self.buckets = None  # bucket names; `order`: their rows one after the other; `bounds`: each one's slice
+        self.order = None  # embedding slots: every bucket's rows one after the other; `bounds`: each one's slice
         keys = ["lockstep/cos"]
         if "grad_embed_weight" in self.contract.outputs:
             rows = bucket_rows(corpus.rank, vocab)
-            self.buckets = list(rows)
             self.order = torch.as_tensor(np.concatenate(list(rows.values())), dtype=torch.long)
             ends = np.cumsum([len(r) for r in rows.values()]).tolist()
             self.bounds = tuple(zip([0] + ends[:-1], ends))
@@ -73,7 +72,8 @@ class Lockstep:
         self.is_err = torch.tensor(["err" in k for k in keys])
         self.rows = {}  # step -> packed (len(keys),) float64 tensor on the device
         self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
-        self.mutation = None  # (n inputs,) device flags: did the candidate write into input i (no sync per step)
+        self.mutation = None  # device flags, one per tensor input: did the candidate write into it (no sync per step)
+        self.tensor_names = None  # those inputs' names, from the first check (scalars such as eps have no flag)
         self.error = None  # the candidate raised on live inputs: recorded once, checking stops
         # The error metrics are the harness's own code: under `train.compile` they run as one compiled graph (about
         # 100 small kernels a check otherwise). The candidate and the oracle run as written (compiling the embedding
@@ -83,8 +83,8 @@ class Lockstep:
         if recipe.train.compile:
             from .model.transformer import compile_options
 
-            opts = compile_options(recipe.train.compile)
-            opts.pop("mode", None)  # no CUDA graphs: the check runs on autograd's thread, beside the step's graphs
+            # No CUDA graphs: the check runs on autograd's thread, beside the step's graphs.
+            opts = compile_options(recipe.train.compile, cudagraphs=False)
             self.measure, self.compiled = torch.compile(self._measure, dynamic=False, **opts), True
         kernels.add_tap(self.tap, [self.slot])
         recorder.lockstep = self
@@ -113,26 +113,26 @@ class Lockstep:
         cand = as_tuple(self.impl.fn(*fresh, **ctx))
         # Did the candidate write into an input? Bitwise comparison with the untouched original (NaN-safe in one
         # kernel per input); device flags, read once at the end.
-        self._tensor_inputs = [isinstance(a, torch.Tensor) for a in fresh]
+        if self.tensor_names is None:
+            self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
         changed = torch.stack([_bits(a).ne(_bits(b)).any() for a, b in zip(fresh, inputs)
                                if isinstance(a, torch.Tensor)])
         self.mutation = changed if self.mutation is None else self.mutation | changed
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
-        order = None
-        if self.buckets is not None:
-            if self.order.device != cand[0].device:  # once: no host-to-device copy per step
-                self.order = self.order.to(cand[0].device)
-            order = self.order
+        if self.order is not None and self.order.device != cand[0].device:  # once: no copy to the device per step
+            self.order = self.order.to(cand[0].device)
         orc = as_tuple(self.contract.oracle(*oracle_inputs(self.contract, inputs), **ctx))
-        args = (tuple(inputs), cand, tuple(ref_out), orc, floor, order)
-        if not self.compiled:
-            return self._measure(*args)
+        args = (tuple(inputs), cand, tuple(ref_out), orc, floor, self.order)
         try:
             return self.measure(*args)
-        except Exception as e:  # our compiled code failed, not the candidate: check on, eagerly, and say so
+        except Exception as e:
+            if not self.compiled:
+                raise
+            row = self._measure(*args)  # raises again where the candidate's outputs are at fault, not the compiler
+            # Our compiled code failed where eager metrics work: check on, eagerly, and say so.
             self.compile_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             self.measure, self.compiled = self._measure, False
-            return self._measure(*args)
+            return row
 
     def _measure(self, inputs, cand, ref_out, orc, floor: float, order):
         """Every metric of `self.keys` against the oracle's outputs `orc`, packed into one float64 vector."""
@@ -192,8 +192,7 @@ class Lockstep:
     def _mutated_input(self):
         if self.mutation is None:
             return None
-        names = [n for n, x in zip(self.contract.inputs, self._tensor_inputs) if x]
-        return next((n for n, f in zip(names, self.mutation.cpu().tolist()) if f), None)
+        return next((n for n, f in zip(self.tensor_names, self.mutation.cpu().tolist()) if f), None)
 
     def summary(self) -> dict:
         run, first = 0, None

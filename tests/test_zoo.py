@@ -272,16 +272,14 @@ def test_rmsnorm_bwd_no_mean_is_wrong_in_grad_x_only():
     assert ew <= bound(rw, FP32_FLOOR)
 
 
-def test_the_demo_is_the_triton_twin_on_a_gpu_only():
-    from divergence.zoo import DEMO_GPU, demo
+def test_the_demo_is_the_triton_twin_on_a_gpu_with_triton_only(monkeypatch):
+    import divergence.zoo as zoo
 
-    assert demo("fused_embed_rmsnorm", "cpu") == DEMO["fused_embed_rmsnorm"] == "embed_bf16_accum"
-    try:
-        import triton  # noqa: F401
-        expected = DEMO_GPU["fused_embed_rmsnorm"]
-    except ImportError:
-        expected = DEMO["fused_embed_rmsnorm"]
-    assert demo("fused_embed_rmsnorm", "cuda") == expected
-    assert demo("swiglu", "cuda") is None  # no demo: `ab` asks for a candidate
-    for name in DEMO_GPU.values():
+    for triton in (True, False):
+        monkeypatch.setattr(zoo, "has_triton", lambda: triton)
+        assert zoo.demo("fused_embed_rmsnorm", "cpu") == DEMO["fused_embed_rmsnorm"] == "embed_bf16_accum"
+        want = "triton_embed_bf16" if triton else "embed_bf16_accum"
+        assert zoo.demo("fused_embed_rmsnorm", "cuda") == want
+        assert zoo.demo("swiglu", "cuda") is None  # no demo: `ab` asks for a candidate
+    for name in zoo.DEMO_GPU.values():
         assert ZOO[name].gpu_only and ZOO[name].verdict == "bad"

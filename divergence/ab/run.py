@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..recipe import default_recipe_name, load_recipe
 from ..train.metrics import write_json
 from . import compare, verdict
+from ..probe.run import default_candidate
 from .plan import plan_arms
 from .runner import run_jobs
 
@@ -79,7 +80,7 @@ def cmd_ab(args) -> int:
         opts = None
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
-    cand = cand or demo_candidate(slot, device)
+    cand = cand or default_candidate(slot, device)
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)
         check_optimizers(opts, recipe, "--optimizers")
@@ -97,7 +98,9 @@ def cmd_ab(args) -> int:
         if device == "cuda":
             # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
-            probing = concurrent.futures.ThreadPoolExecutor(max_workers=1).submit(_preflight, slot, cand, out)
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            probing = pool.submit(_preflight, slot, cand, out)
+            pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
             probe = _preflight(slot, cand, out)
 
@@ -114,24 +117,24 @@ def cmd_ab(args) -> int:
               f"({time.time() - t0:.0f} s elapsed)", flush=True)
 
     arms = run_jobs(recipe, jobs, corpus, device, _workers(recipe, device), on_done=on_done)
+    probe_error = None
     if probing is not None:
-        probe = probing.result()
+        try:
+            probe = probing.result()
+        except Exception as e:  # the arms are trained: judge them all the same, then fail as a harness error
+            probe_error = f"the probe failed: {type(e).__name__}: {e}".splitlines()[0][:500]
     t_judge = time.time()
     result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe)
     result["timings"] = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}
+    if probe_error:
+        result["probe_error"] = probe_error
     write_json(out / "verdict.json", result)
     _print_table(result)
     _after(out, args, result)
+    if probe_error:
+        print(f"error: {probe_error}", file=sys.stderr)
+        return 2
     return {"PASS": 0, "ERROR": 2}.get(result["verdict"], 1)
-
-
-def demo_candidate(slot: str, device: str = "cpu") -> str:
-    from ..zoo import demo
-
-    name = demo(slot, device)
-    if name is None:
-        raise UserError(f"--candidate: slot {slot!r} has no demo candidate; pass one (zoo:NAME, a file, ...)")
-    return f"zoo:{name}"
 
 
 def _preflight(slot, cand, out):

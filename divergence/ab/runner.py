@@ -78,7 +78,7 @@ def split_finished(jobs) -> tuple:
     return done, todo
 
 
-def _child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
+def _child(recipe, spec, out_dir, corpus, gpu, t_start):
     if gpu is not None:  # before CUDA starts in this process: the arm sees one GPU, as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Own process group, so a kill reaches whatever the candidate started; quiet progress bars, one thread.
@@ -91,7 +91,7 @@ def _child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
     from ..train.arm import run_arm
 
-    boot = time.time() - t_start if t_start else None  # process start, imports, unpickling the arguments
+    boot = time.time() - t_start  # process start, imports, unpickling the arguments
     run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot)
     # Everything is on disk (arm.json last, atomically). Skip the interpreter's teardown: a CUDA arm's exit took
     # 10-15 s after its last write on the H200 (2026-11-21), and the next arm waited for it.

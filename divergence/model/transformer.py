@@ -151,16 +151,21 @@ class Transformer(nn.Module):
         return logits, loss
 
 
-def compile_options(spec: str) -> dict:
+CUDAGRAPHS = "+cudagraphs"  # `inductor+cudagraphs`: the backend, with its graphs replayed as CUDA graphs
+
+
+def compile_options(spec: str, cudagraphs: bool = True) -> dict:
     """`train.compile` -> torch.compile keywords: `inductor+cudagraphs` is inductor with CUDA graphs (mode
-    reduce-overhead: each compiled graph replays with one launch instead of one per kernel)."""
-    if spec == "inductor+cudagraphs":
-        return {"backend": "inductor", "mode": "reduce-overhead"}
-    return {"backend": spec}
+    reduce-overhead: each compiled graph replays with one launch instead of one per kernel); `cudagraphs=False`
+    drops them."""
+    backend = spec.removesuffix(CUDAGRAPHS)
+    if cudagraphs and uses_cudagraphs(spec):
+        return {"backend": backend, "mode": "reduce-overhead"}
+    return {"backend": backend}
 
 
 def uses_cudagraphs(spec) -> bool:
-    return spec == "inductor+cudagraphs"
+    return bool(spec) and spec.endswith(CUDAGRAPHS)
 
 
 def build_model(cfg, vocab_size: int, kernels: Kernels, seed: int) -> Transformer:

@@ -90,7 +90,7 @@ class ArmModule(pl.LightningModule):
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in batches:
-            _, loss = self.model(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss.double()
         self.model.train(was)
         return total / max(1, len(batches))
@@ -100,7 +100,7 @@ class ArmModule(pl.LightningModule):
     def eval_logprobs(self, x) -> torch.Tensor:
         was = self.model.training
         self.model.eval()
-        logits = self.model(x.to(self.device, non_blocking=True))
+        logits = self.model(x.to(self.device))
         self.model.train(was)
         return torch.log_softmax(logits.float(), -1)
 

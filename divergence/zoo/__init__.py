@@ -7,6 +7,8 @@ A test loads every member and checks that each behaves as its entry says (tests/
 """
 from __future__ import annotations
 
+import importlib.util
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,15 +102,14 @@ DEMO_GPU: dict = {
 }
 
 
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def demo(slot: str, device: str = "cpu"):
     """The zoo member a demo runs for `slot` on `device` ('cpu' or 'cuda'), or None if the slot has none."""
-    if device == "cuda" and slot in DEMO_GPU:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            return DEMO_GPU[slot]
+    if device == "cuda" and slot in DEMO_GPU and has_triton():
+        return DEMO_GPU[slot]
     return DEMO.get(slot)
 
 
