@@ -93,16 +93,14 @@ def _backend(soak: dict, args) -> tuple:
     return backend, address
 
 
-def _gpus_per_arm(soak: dict, base, device: str, workers: int) -> float:
+def _gpus_per_arm(soak: dict, base, device: str) -> float:
     if base.train.device == "cpu":
         return 0.0
     if soak.get("gpus_per_arm") is not None:  # a CPU-only driver may still send arms to GPU nodes
         return soak["gpus_per_arm"]
     if device != "cuda":
         return 0.0
-    import torch
-
-    return min(1.0, torch.cuda.device_count() / workers)  # as many arms per GPU as the local scheduler runs
+    return 1.0 / (base.ab.workers or 4)  # as many arms per GPU as the local scheduler runs (ab.run._workers)
 
 
 def _log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str) -> bool:
@@ -175,7 +173,7 @@ def cmd_soak(args) -> int:
     workers = _workers(base, device)
     where = f"{device}, {workers} at a time"
     if backend == "ray":
-        gpus = _gpus_per_arm(soak, base, device, workers)
+        gpus = _gpus_per_arm(soak, base, device)
         where = f"ray {address or '(local instance)'}, " + (f"{gpus:g} GPU per arm" if gpus else "CPU arms")
     print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
           f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)

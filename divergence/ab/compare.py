@@ -49,7 +49,8 @@ def series(rows: list, key: str):
 
 
 def _smooth(x: np.ndarray, k: int) -> np.ndarray:
-    """Trailing mean over k points: one noisy step does not make a distance (NaN counts as infinitely far)."""
+    """Trailing mean over k points: one noisy step does not make a distance. A NaN point makes its window inf and
+    every later one NaN (inf - inf in the cumulative sum); the verdict reads both as infinitely far (nan_to_num)."""
     if k <= 1 or len(x) == 0:
         return x
     c = np.cumsum(np.insert(np.nan_to_num(x, nan=np.inf), 0, 0.0))
