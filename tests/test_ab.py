@@ -117,3 +117,16 @@ def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monke
     assert time.time() - t0 < 20  # three arms one at a time, none waited for its 60 s exit
     assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
     assert all(res[j.key]["timings"]["process_s"] < 10 for j in jobs)
+
+
+def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
+    """Two bucket sets alike in their first rows (and sizes) are two memo entries, not one."""
+    _, out, _ = bf16_run
+    ref, arm = out / "sgd" / "reference", out / "sgd" / "candidate"
+    buckets = compare.bucket_rows(tiny_corpus.rank, 1024)
+    tail = buckets["tail"]
+    other = tail.copy()
+    other[-1] = buckets["top-10"][0]  # the most frequent row in place of the rarest: same size, same first rows
+    a = compare.distances(ref, arm, {"b": tail}, 1)["drift/b"]["dist"]
+    b = compare.distances(ref, arm, {"b": other}, 1)["drift/b"]["dist"]
+    assert not np.array_equal(a, b)
