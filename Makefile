@@ -50,7 +50,7 @@ soak:
 	$(PY) -m divergence.cli soak $(or $(SOAK),recipes/soaks/demo.yaml) $(ARGS)
 
 bench:
-	$(PY) -m divergence.bench $(ARGS)
+	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
 	rm -rf results wandb data/tok-* data/ids-*

@@ -55,11 +55,25 @@ def _add_ab(sub):
     p.add_argument("--no-probe", action="store_true", help="skip the preflight probe")
     p.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     p.add_argument("--seed", type=int, help="override the recipe's seed")
-    p.set_defaults(fn=lambda a: __import__("divergence.ab.run", fromlist=["cmd_ab"]).cmd_ab(a))
+    p.set_defaults(fn=cmd_ab)
+
+
+def cmd_ab(args) -> int:
+    from .ab.run import cmd_ab as run_ab
+    from .report.publish import after_ab
+
+    return run_ab(args, publish=after_ab)
+
+
+def cmd_soak(args) -> int:
+    from .ab.soak import cmd_soak as run_soak
+    from .report import publish
+
+    return run_soak(args, publish=publish)
 
 
 def cmd_probe(args) -> int:
-    from .probe.run import command
+    from .detect.probe.run import command
 
     only = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     return command(args.kernel, args.candidate, args.seed, args.out, args.device, only)
@@ -82,7 +96,7 @@ def cmd_report(args) -> int:
 
     print(f"report: {write_report(args.results_dir)}")
     if args.wandb:
-        from .wandb_log import log_ab
+        from .report.wandb import log_ab
 
         log_ab(args.results_dir)
     return EXIT_PASS
@@ -122,25 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backend", choices=("local", "ray"), help="where arms run (default: the soak file's, local)")
     k.add_argument("--ray-address", metavar="HOST:PORT", help="the Ray cluster to run on (implies --backend ray)")
     k.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
-    k.set_defaults(fn=lambda a: __import__("divergence.soak", fromlist=["cmd_soak"]).cmd_soak(a))
+    k.set_defaults(fn=cmd_soak)
     _add_report(sub)
     _add_probe(sub)
     return ap
 
 
-def quiet_lightning():
-    """Lightning's banners (GPU available, tips, deprecations) bury our own output; keep its errors."""
-    import logging
-    import warnings
-
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="lightning")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    os.environ.setdefault("LITLOGGER_DISABLE_TIP", "1")
-
-
 def main(argv=None) -> int:
+    from .train.quiet import quiet_lightning
+
     args = build_parser().parse_args(argv)
     quiet_lightning()
     try:

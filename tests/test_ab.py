@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from divergence.ab import compare, verdict
+from divergence.detect import distances as compare, verdict
 from divergence.cli import main
 from divergence.zoo import ZOO
 

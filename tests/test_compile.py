@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from divergence.errors import RecipeError
-from divergence.lockstep import Lockstep
+from divergence.detect.lockstep import Lockstep
 from divergence.model import build_model
 from divergence.recipe import load_recipe
-from divergence.slots import build_kernels, swiglu
+from divergence.candidates.resolve import build_kernels
+from divergence.slots import swiglu
 from divergence.slots import fused_embed_rmsnorm as fer
 from divergence.slots.registry import Impl
 

@@ -11,7 +11,8 @@ import torch
 
 from divergence.candidates.loader import load_candidate
 from divergence.errors import CandidateError
-from divergence.slots import fused_embed_rmsnorm, resolve, rmsnorm
+from divergence.candidates.resolve import resolve
+from divergence.slots import fused_embed_rmsnorm, rmsnorm
 from divergence.slots.registry import sha256_of
 
 CUDA = torch.cuda.is_available()

@@ -2,6 +2,7 @@
 import pytest
 
 from divergence.recipe import load_recipe
+from divergence.detect.lockstep import Lockstep
 from divergence.train.arm import ArmSpec, run_arm
 from divergence.train.metrics import read_metrics
 from divergence.zoo import ZOO
@@ -13,7 +14,7 @@ GOOD = [n for n, e in ZOO.items() if e.slot == "fused_embed_rmsnorm" and e.verdi
 def lockstep_arm(tmp_path, cand, opt, steps):
     r = load_recipe("tiny", {"train": {"steps": steps, "val_every": 1000, "snapshot_every": 0}})
     spec = ArmSpec("reference", opt, {}, lockstep={"fused_embed_rmsnorm": cand})
-    info = run_arm(r, spec, tmp_path / "arm", progress=False)
+    info = run_arm(r, spec, tmp_path / "arm", progress=False, watcher=Lockstep)
     return info, read_metrics(tmp_path / "arm" / "metrics.jsonl")
 
 
@@ -48,7 +49,7 @@ def test_lockstep_sees_a_forward_slot_too(tmp_path):
     r = load_recipe("tiny", {"train": {"steps": 4, "val_every": 1000, "snapshot_every": 0},
                              "model": {"attn_softcap": 0.5}})
     spec = ArmSpec("reference", "sgd", {}, lockstep={"attn_softcap": "zoo:softcap_omitted"})
-    info = run_arm(r, spec, tmp_path / "arm", progress=False)
+    info = run_arm(r, spec, tmp_path / "arm", progress=False, watcher=Lockstep)
     rows = read_metrics(tmp_path / "arm" / "metrics.jsonl")
     assert info["lockstep"]["wrong"]
     assert all(r["lockstep/max_abs_input"] > 0 for r in rows if "loss" in r)
@@ -62,8 +63,9 @@ def test_several_calls_in_one_step_keep_the_worst_error_and_the_last_of_the_rest
     import numpy as np
     import torch
 
-    from divergence.lockstep import Lockstep
-    from divergence.slots import build_kernels, rmsnorm
+    from divergence.detect.lockstep import Lockstep
+    from divergence.candidates.resolve import build_kernels
+    from divergence.slots import rmsnorm
 
     rec = SimpleNamespace(current_step=0, lockstep=None)
     lk = Lockstep(load_recipe("tiny"), {"rmsnorm": "null-1"}, build_kernels({}, {"vocab_size": 64}),

@@ -15,9 +15,9 @@ import torch
 
 from divergence.cli import main
 from divergence.errors import CandidateError
-from divergence.probe import run_probe
-from divergence.probe import inputs as probe_inputs
-from divergence.probe import run as probe_run
+from divergence.detect.probe import run_probe
+from divergence.detect.probe import inputs as probe_inputs
+from divergence.detect.probe import run as probe_run
 from divergence.slots import SLOTS
 from divergence.slots.nulls import NULLS
 from divergence.zoo import ZOO, members

@@ -180,7 +180,7 @@ def test_effect_sizes_read_at_any_magnitude():
 def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch):
     """In one process the verdict's distances serve the report: none is computed twice (each pair reads the
     arms' snapshots and evaluations, seconds at GPU-recipe sizes)."""
-    from divergence.ab import compare
+    from divergence.detect import distances as compare
     from divergence.report import results as report_results
 
     calls = []

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from divergence.slots import SLOTS, build_kernels
+from divergence.candidates.resolve import build_kernels
+from divergence.slots import SLOTS
 from divergence.slots.nulls import NULLS
 from divergence.slots.contract import as_tuple
 

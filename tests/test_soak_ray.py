@@ -196,7 +196,7 @@ def test_an_address_nothing_answers_is_one_line_at_once(tmp_path, capsys):
 
 
 def test_importing_divergence_never_imports_ray():
-    code = ("import sys, divergence, divergence.cli, divergence.soak, divergence.ab.run, divergence.wandb_log\n"
+    code = ("import sys, divergence, divergence.cli, divergence.ab.soak, divergence.ab.run, divergence.report.wandb\n"
             "assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -185,7 +185,7 @@ def test_the_record_reader_agrees_with_leet(leet):
 
 
 def test_wandb_not_installed_is_one_line(results, monkeypatch, capsys):
-    from divergence.wandb_log import log_ab
+    from divergence.report.wandb import log_ab
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     assert log_ab(results) is None
@@ -194,7 +194,7 @@ def test_wandb_not_installed_is_one_line(results, monkeypatch, capsys):
 
 
 def test_a_wandb_failure_is_one_line_and_never_raises(results, tmp_path, monkeypatch, capsys):
-    from divergence.wandb_log import log_ab
+    from divergence.report.wandb import log_ab
 
     folder = shutil.copytree(results, tmp_path / "r", ignore=shutil.ignore_patterns("wandb"))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -209,7 +209,7 @@ def test_a_wandb_failure_is_one_line_and_never_raises(results, tmp_path, monkeyp
 
 
 def test_mode_follows_wandb_mode_then_the_api_key(tmp_path, monkeypatch):
-    from divergence.wandb_log import choose_mode
+    from divergence.report.wandb import choose_mode
 
     for k in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(k, raising=False)
@@ -230,7 +230,7 @@ def test_mode_follows_wandb_mode_then_the_api_key(tmp_path, monkeypatch):
 
 
 def test_disabled_logs_nothing(results, tmp_path, monkeypatch, capsys):
-    from divergence.wandb_log import log_ab
+    from divergence.report.wandb import log_ab
 
     folder = shutil.copytree(results, tmp_path / "r", ignore=shutil.ignore_patterns("wandb"))
     monkeypatch.setenv("WANDB_MODE", "disabled")

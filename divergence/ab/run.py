@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import UserError
 from ..recipe import default_recipe_name, load_recipe
 from ..train.metrics import write_json
-from . import compare, verdict
-from ..probe.run import default_candidate
+from ..detect import distances as compare, verdict
+from ..detect.probe.run import default_candidate
 from .plan import plan_arms
 from .runner import run_jobs
 
@@ -57,9 +57,12 @@ def write_plan(folder: Path, slot: str, cand: str, recipe, opts, overrides: dict
                                       "optimizers": opts, "overrides": overrides, "created": created, **extra})
 
 
-def cmd_ab(args) -> int:
+def cmd_ab(args, publish=None) -> int:
+    """`divergence ab`. `publish(out, args, result)` (the report and wandb, from the layer above: cli passes
+    report.publish.after_ab) runs once verdict.json is on disk, so it can never lose the verdict."""
     from ..data import load_corpus
-    from ..slots import SLOTS, resolve
+    from ..candidates.resolve import resolve
+    from ..slots import SLOTS
     from ..train.arm import model_vocab, resolve_device
 
     if args.resume:
@@ -130,7 +133,8 @@ def cmd_ab(args) -> int:
         result["probe_error"] = probe_error
     write_json(out / "verdict.json", result)
     _print_table(result)
-    _after(out, args, result)
+    if publish is not None:
+        publish(out, args, result)
     if probe_error:
         print(f"error: {probe_error}", file=sys.stderr)
         return 2
@@ -138,7 +142,7 @@ def cmd_ab(args) -> int:
 
 
 def _preflight(slot, cand, out):
-    from ..probe import run_probe
+    from ..detect.probe import run_probe
 
     res = run_probe(slot, cand, out_dir=out / "probe")
     print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))", flush=True)
@@ -230,15 +234,3 @@ def _print_table(result: dict):
         print(f"{opt:<10} {v['verdict']:<9} {v.get('detail', '')}")
     print(f"overall: {result['verdict']}: {result['summary']}  ({result['kernel']} <- {result['candidate']['name']})")
     sys.stdout.flush()
-
-
-def _after(out: Path, args, result: dict):
-    """The report and the wandb runs, after verdict.json is on disk: neither can lose the verdict (the report
-    draws what it can; wandb logging turns any failure, a missing install included, into one line)."""
-    from ..report import write_report
-
-    print(f"report: {write_report(out)}")
-    if not getattr(args, "no_wandb", False):
-        from ..wandb_log import log_ab
-
-        log_ab(out, result)

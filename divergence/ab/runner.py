@@ -89,10 +89,11 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start):
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
+    from ..detect.lockstep import Lockstep
     from ..train.arm import run_arm
 
     boot = time.time() - t_start  # process start, imports, unpickling the arguments
-    run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot)
+    run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot, watcher=Lockstep)
     # Everything is on disk (arm.json last, atomically). Skip the interpreter's teardown: a CUDA arm's exit took
     # 10-15 s after its last write on the H200 (2026-11-21), and the next arm waited for it.
     sys.stdout.flush()

@@ -142,7 +142,7 @@ def _figures(made: list) -> str:
 def _metrics_tables(res) -> str:
     out = []
     margin = res.verdict.get("rule", {}).get("margin", 3.0)
-    from ..ab.verdict import floor_for
+    from ..detect.verdict import floor_for
 
     for opt, v in res.verdict.get("optimizers", {}).items():
         ms = v.get("metrics") or []

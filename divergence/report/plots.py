@@ -16,8 +16,8 @@ import matplotlib.ticker as mticker  # noqa: E402
 import matplotlib.transforms as mtransforms  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..ab import verdict as vrule  # noqa: E402
-from ..ab.compare import BUCKETS  # noqa: E402
+from ..detect import verdict as vrule  # noqa: E402
+from ..detect.buckets import BUCKETS  # noqa: E402
 from .results import lockstep_table  # noqa: E402
 
 REF, CAND, NULL, ENV, LIMIT = "black", "#d62728", "#7f7f7f", "#d9d9d9", "#ff7f0e"
@@ -316,7 +316,7 @@ def has_lockstep(res) -> bool:
 
 def lockstep_errors(res, path):
     """The op-level check on the reference arm's live inputs: error against fp64 by step and by frequency bucket."""
-    from ..lockstep import RATIO
+    from ..detect.rule import RATIO
 
     opts = res.optimizers
     fig, axes = _grid(2, len(opts))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ab import compare
+from ..detect import distances as compare
 from ..errors import UserError
 
 
@@ -145,7 +145,7 @@ def lockstep_series(ref: Arm, bucket: str, what: str):
 
 def lockstep_table(ref: Arm) -> list:
     """Per bucket: median and worst error of candidate and reference over the checked steps, and the limit."""
-    from ..lockstep import RATIO
+    from ..detect.rule import RATIO
 
     _, floor = ref.series("lockstep/floor")
     fl = float(np.median(floor)) if len(floor) else 0.0

@@ -81,7 +81,7 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
 
 def lockstep_sentence(ls) -> str:
     """The op-level check on the reference arm's live inputs, in one sentence."""
-    from ..lockstep import RATIO
+    from ..detect.rule import RATIO
 
     if not ls:
         return "not run"

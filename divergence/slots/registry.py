@@ -82,42 +82,6 @@ def reference_impl(contract: Contract) -> Impl:
     return Impl(slot=contract.name, name="reference", fn=contract.reference, role="reference")
 
 
-def resolve(slot: str, spec: Optional[str]) -> Impl:
-    """Name or path -> Impl. `reference` (or None), `null-1`.., `zoo:NAME`, a file path, `pkg.module:fn`,
-    a `.cu` source, or a SOL-ExecBench `solution.json`."""
-    from . import SLOTS
-    from .nulls import NULLS
-
-    if slot not in SLOTS:
-        raise CandidateError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
-    if spec in (None, "", "reference"):
-        return reference_impl(SLOTS[slot])
-    if spec.startswith("null-"):
-        nulls = NULLS[slot]
-        try:
-            k = int(spec[5:])
-            fn, how = nulls[k - 1]
-        except (ValueError, IndexError):
-            raise CandidateError(f"{slot}: unknown null {spec!r}; known: "
-                                 + ", ".join(f"null-{i + 1}" for i in range(len(nulls)))) from None
-        return Impl(slot=slot, name=spec, fn=fn, role="null", meta={"doc": how})
-    from ..candidates.loader import load_candidate
-
-    return load_candidate(slot, spec)
-
-
-def build_kernels(choices: Optional[dict] = None, context: Optional[dict] = None) -> Kernels:
-    """Every slot filled: the named implementation where `choices` names one, the reference elsewhere."""
-    from . import SLOTS
-
-    choices = choices or {}
-    impls = {}
-    for slot in SLOTS:
-        spec = choices.get(slot)
-        impls[slot] = spec if isinstance(spec, Impl) else resolve(slot, spec)
-    return Kernels(impls, context)
-
-
 def check_outputs(contract: Contract, out, expected_specs) -> tuple:
     """Outputs as a tuple, with a clear error when a candidate returns the wrong number, shape or dtype."""
     outs = as_tuple(out)

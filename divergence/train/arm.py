@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..errors import RecipeError
-from ..slots import build_kernels
+from ..candidates.resolve import build_kernels
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
 
@@ -65,8 +65,12 @@ def model_vocab(recipe, corpus) -> int:
 
 
 def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool] = None,
-            boot_s: Optional[float] = None) -> dict:
-    """Train one arm to the end (or to the first NaN); returns and writes its `arm.json`."""
+            boot_s: Optional[float] = None, watcher=None) -> dict:
+    """Train one arm to the end (or to the first NaN); returns and writes its `arm.json`.
+
+    `watcher(recipe, choice, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
+    detectors' Lockstep, passed down by the orchestration layer: training never imports the detectors); its
+    `summary()` goes into arm.json."""
     import lightning.pytorch as pl
 
     from ..data import Batches, load_corpus
@@ -95,9 +99,9 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     rec.watch_nonfinite(kernels)
     lockstep = None
     if spec.lockstep:
-        from ..lockstep import Lockstep
-
-        lockstep = Lockstep(recipe, spec.lockstep, kernels, corpus, rec)
+        if watcher is None:
+            raise RecipeError(f"arm {spec.name}: a lockstep check was asked for and no watcher was given")
+        lockstep = watcher(recipe, spec.lockstep, kernels, corpus, rec)
     module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec)
     trainer = pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=resolve_precision(recipe, device),

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..slots import attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu
+from ...slots import attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu
 
 FREQUENT_ROWS = 16  # rows checked one by one in a scatter output: the most frequent ids, those seen twice or more
 
@@ -67,8 +67,8 @@ def one_id(gen, vocab, batch, seq):
 def _corpus():
     """(token ids of WikiText-2's training split, vocabulary size), or the reason it cannot be had."""
     try:
-        from ..data import load_corpus
-        from ..recipe import DataConfig
+        from ...data import load_corpus
+        from ...recipe import DataConfig
 
         c = load_corpus(DataConfig(source="wikitext-2", vocab_size=4096))  # cached under data/ after the first run
         return c.train, int(c.vocab_size)

@@ -15,26 +15,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .ab.compare import bucket_rows
-from .slots import SLOTS, resolve
-from .slots.contract import as_tuple, oracle_inputs
+from ..candidates.resolve import resolve
+from ..slots import SLOTS
+from ..slots.contract import as_tuple, oracle_inputs
+from .buckets import bucket_rows
+from .rule import RATIO, diff64 as _diff, rel_error as _rel, rounding_floor, within
 
-RATIO = 2.0  # allowed multiple of the reference's own error (FlashAttention's tests use about 2x)
 WINDOW = 3  # consecutive checked steps over the limit before "wrong": one unlucky batch is not a verdict
-
-
-def rounding_floor(dtype: torch.dtype) -> float:
-    """Half an ulp at 1.0 of the output dtype: below this a relative error is rounding, not a bug."""
-    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
-
-
-def _diff(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """a - o in float64 (the promotion happens in the subtraction: no separate copy); NaN counts as huge."""
-    return torch.nan_to_num(torch.sub(a, o), nan=1e30)
-
-
-def _rel(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(_diff(a, o)) / torch.linalg.vector_norm(o).clamp_min(1e-300)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +68,7 @@ class Lockstep:
         self.measure, self.compiled = self._measure, False
         self.compile_fallback = None  # why the compiled metrics were given up for eager ones, if they were
         if recipe.train.compile:
-            from .model.transformer import compile_options
+            from ..model.transformer import compile_options
 
             # No CUDA graphs: the check runs on autograd's thread, beside the step's graphs.
             opts = compile_options(recipe.train.compile, cudagraphs=False)
@@ -187,7 +174,7 @@ class Lockstep:
         pairs = [("lockstep/err_candidate", "lockstep/err_reference")]
         pairs += [(k, k.replace("err_candidate", "err_reference")) for k in v
                   if k.endswith("/err_candidate") and k != "lockstep/err_candidate"]
-        return any(not (v[c] <= RATIO * v[r] + floor) for c, r in pairs)  # NaN counts as wrong
+        return any(not within(v[c], v[r], floor) for c, r in pairs)  # NaN counts as wrong
 
     def _mutated_input(self):
         if self.mutation is None:

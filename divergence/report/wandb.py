@@ -143,7 +143,7 @@ def _settings(wandb):
 
 
 def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, config) -> dict:
-    from .report.results import load_results
+    from .results import load_results
 
     t0 = time.time()
     res = load_results(out)
@@ -263,8 +263,8 @@ def _summary(res, v, arm) -> dict:
 
 
 def _tables(wandb, res, v) -> dict:
-    from .report import words
-    from .report.results import drift_table, lockstep_series, lockstep_table
+    from . import words
+    from .results import drift_table, lockstep_series, lockstep_table
 
     rule = v.get("rule", {})
     per = v.get("optimizers", {})

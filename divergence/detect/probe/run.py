@@ -20,9 +20,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import UserError
-from ..lockstep import RATIO
-from ..slots.contract import as_tuple, oracle_inputs
+from ...errors import UserError
+from ..rule import RATIO
+from ...slots.contract import as_tuple, oracle_inputs
 from . import checks
 from .inputs import family_seed, families as slot_families
 
@@ -55,7 +55,8 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
     seed is chosen, so a run that dies midway can still be repeated.
     """
-    from ..slots import SLOTS, resolve
+    from ...candidates.resolve import resolve
+    from ...slots import SLOTS
 
     impl = resolve(slot, candidate_spec)  # CandidateError (exit 2) for a spec that does not load
     contract = SLOTS[slot]
@@ -246,7 +247,7 @@ def _expected(spec) -> Optional[dict]:
     """For a zoo member, what its catalogue entry says the probe should find."""
     if not (isinstance(spec, str) and spec.startswith("zoo:")):
         return None
-    from ..zoo import ZOO
+    from ...zoo import ZOO
 
     e = ZOO.get(spec[4:])
     return None if e is None else {"verdict": e.verdict, "models": e.models, "caught_by": e.caught_by}
@@ -296,8 +297,8 @@ def verdict_line(result: dict) -> str:
 
 def default_candidate(slot: str, device: str = "cpu") -> str:
     """The slot's demo zoo member (divergence.zoo.demo), as `make probe` runs it without CANDIDATE."""
-    from ..slots import SLOTS
-    from ..zoo import demo
+    from ...slots import SLOTS
+    from ...zoo import demo
 
     if slot not in SLOTS:
         raise UserError(f"--kernel: unknown slot {slot!r}; known: {', '.join(SLOTS)}")

@@ -32,9 +32,9 @@ import re
 import time
 from pathlib import Path
 
-from .errors import RecipeError, UserError
-from .recipe import read_yaml_mapping
-from .train.metrics import write_atomic, write_json
+from ..errors import RecipeError, UserError
+from ..recipe import read_yaml_mapping
+from ..train.metrics import write_atomic, write_json
 
 KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm"}
 BACKENDS = ("local", "ray")
@@ -86,7 +86,7 @@ def _backend(soak: dict, args) -> tuple:
     address = args.ray_address or soak.get("ray_address")
     backend = args.backend or ("ray" if args.ray_address else soak.get("backend", "local"))
     if backend == "ray":  # before any candidate loads or arm trains: a missing extra or a wrong address, now
-        from .ab.ray_runner import check_address, require_ray
+        from .ray_runner import check_address, require_ray
 
         require_ray()
         check_address(address)
@@ -103,31 +103,17 @@ def _gpus_per_arm(soak: dict, base, device: str) -> float:
     return 1.0 / (base.ab.workers or 4)  # as many arms per GPU as the local scheduler runs (ab.run._workers)
 
 
-def _log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str) -> bool:
-    """A cell's runs go into its candidate's group, one group per candidate across seeds and optimizers."""
-    from .wandb_log import log_ab
-
-    r = log_ab(cell_dir, result, group=label, name_prefix=f"seed-{seed}/", tags=[f"seed-{seed}", soak_id],
-               config={"seed": seed, "soak": soak_id})
-    return _mark_logged(cell_dir, r)
-
-
-def _mark_logged(folder: Path, r) -> bool:
-    """wandb.json: logged once; a resume logs again only what it re-ran (no duplicate runs in the project)."""
-    if not r or not r["runs"]:
-        return False
-    write_json(folder / "wandb.json", {"mode": r["mode"], "group": r["group"], "runs": [str(p) for p in r["runs"]]})
-    return True
-
-
-def cmd_soak(args) -> int:
-    from .ab.plan import plan_arms
-    from .ab.run import _workers, check_optimizers, judge, write_plan
-    from .ab.runner import run_jobs
-    from .data import load_corpus
-    from .recipe import load_recipe
-    from .slots import SLOTS, resolve
-    from .train.arm import model_vocab, resolve_device
+def cmd_soak(args, publish=None) -> int:
+    """`divergence soak`. `publish` (report.publish, passed by cli) logs each judged cell and the table to wandb;
+    None logs nothing."""
+    from .plan import plan_arms
+    from .run import _workers, check_optimizers, judge, write_plan
+    from .runner import run_jobs
+    from ..data import load_corpus
+    from ..recipe import load_recipe
+    from ..candidates.resolve import resolve
+    from ..slots import SLOTS
+    from ..train.arm import model_vocab, resolve_device
 
     if args.resume:
         out = Path(args.resume)
@@ -185,7 +171,7 @@ def cmd_soak(args) -> int:
         print(f"  [{len(done)}/{len(jobs)}] {key}: {st.get('status')} ({time.time() - t0:.0f} s)", flush=True)
 
     if backend == "ray":
-        from .ab.ray_runner import run_jobs_ray
+        from .ray_runner import run_jobs_ray
 
         arms = run_jobs_ray(base, jobs, out / "soak-plan.json", address, gpus, on_done=on_done)
     else:
@@ -196,18 +182,16 @@ def cmd_soak(args) -> int:
         cell_arms = {k[len(prefix):]: v for k, v in arms.items() if k.startswith(prefix)}
         result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab)
         write_json(cell_dir / "verdict.json", result)
-        if not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
-            logged += _log_cell(cell_dir, result, label, seed, out.name)
+        if publish and not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
+            logged += publish.log_cell(cell_dir, result, label, seed, out.name)
         rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
                      "verdict": result["verdict"], "case": result["case"],
                      **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows,
                                    "wall_s": time.time() - t0})
-    if logged or (not args.no_wandb and not (out / "wandb.json").exists()):
-        from .wandb_log import log_soak
-
+    if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
         meta = {"name": soak["name"], "soak": soak, "optimizers": opts, "backend": backend}
-        _mark_logged(out, log_soak(out, rows, meta, group=out.name))
+        publish.log_soak_table(out, rows, meta)
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]))
     w.writeheader()

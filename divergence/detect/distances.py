@@ -19,8 +19,8 @@ import numpy as np
 
 from ..model import PARAM_GROUPS
 from ..train.metrics import read_metrics
+from .buckets import BUCKETS, bucket_rows  # noqa: F401  (callers read both from here too)
 
-BUCKETS = (("top-10", 0, 10), ("top-100", 10, 100), ("top-1000", 100, 1000), ("tail", 1000, None))
 
 
 def metrics_rows(path: Path) -> list:
@@ -81,12 +81,6 @@ def scalar_distances(ref_dir, arm_dir, smooth: int) -> dict:
         k = smooth if key in ("loss",) or key.startswith("grad_norm") else 1
         out[key] = {"steps": steps, "dist": _smooth(np.abs(signed), k), "signed": _smooth(signed, k)}
     return out
-
-
-def bucket_rows(rank: np.ndarray, vocab: int) -> dict:
-    """bucket -> row ids, by frequency rank on the training text (rank 0 = most frequent)."""
-    order = np.argsort(rank[:vocab], kind="stable")
-    return {name: order[lo:hi] for name, lo, hi in BUCKETS if lo < len(order)}
 
 
 def _load_ref(path: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""`python -m divergence.bench`: what the harness costs, against a bare PyTorch loop of the same model.
+"""`python benchmarks/bench.py` (`make bench`): what the harness costs, against a bare PyTorch loop of the same model.
 
 Measured in one process on one device (GPU when there is one), with the recipe's shapes and its SGD settings:
     bare       a plain training loop written without the harness (nn.Embedding + RMSNorm, RoPE, SDPA, SwiGLU,
@@ -20,7 +20,7 @@ its loss at step 0 must equal the harness's (same weights, same batch), which th
 Under `train.compile` (the GPU recipes) the bare loop is timed twice, eager and under torch.compile of the whole
 model; the harness is measured against the compiled one, like for like.
 
-    python -m divergence.bench [--recipe h200] [--steps 400] [--soak] [--compile BACKEND|none] [--profile DIR]
+    python benchmarks/bench.py [--recipe h200] [--steps 400] [--soak] [--compile BACKEND|none] [--profile DIR]
                                [--out bench.json]
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .slots.rope import inv_freq_for
+from divergence.slots.rope import inv_freq_for
 
 SCHEMA_VERSION = 1
 # Dense bf16 peaks from the vendors' data sheets (TFLOP/s); NOTES measured ~790 for a large matmul on the H200.
@@ -146,8 +146,8 @@ class BareTransformer(nn.Module):
 
 def harness_weights(recipe, vocab) -> dict:
     """The harness model's initial weights, renamed for BareTransformer (same seed, same init)."""
-    from .model import build_model
-    from .slots import build_kernels
+    from divergence.model import build_model
+    from divergence.candidates.resolve import build_kernels
 
     sd = build_model(recipe.model, vocab, build_kernels({}, {"vocab_size": vocab}), recipe.seed).state_dict()
     rename = {"embed": "embed.weight", "embed_norm": "embed_norm.weight"}
@@ -175,8 +175,8 @@ def _free(device):
 def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=None) -> dict:
     """`backend`: None for eager, else a `train.compile` value: torch.compile of the whole model (a user's one
     line; the harness compiles all but the embedding, whose backward is a slot)."""
-    from .data import Batches
-    from .model.transformer import compile_options, uses_cudagraphs
+    from divergence.data import Batches
+    from divergence.model.transformer import compile_options, uses_cudagraphs
 
     torch.set_num_threads(recipe.train.threads)
     model = BareTransformer(recipe.model, vocab)
@@ -222,9 +222,10 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
     """One arm of `steps` SGD steps through run_arm, in this process. Its steady ms/step comes from the arm's own
     timings (between the first and last metrics flush, each a device sync): evaluations, snapshots, metrics and
     lockstep included, one-time costs (Lightning's set-up, the first steps, the final evaluation) not."""
-    from .recipe import recipe_from_dict
-    from .train.arm import ArmSpec, resolve_device, run_arm
-    from .train.metrics import read_metrics
+    from divergence.recipe import recipe_from_dict
+    from divergence.detect.lockstep import Lockstep
+    from divergence.train.arm import ArmSpec, resolve_device, run_arm
+    from divergence.train.metrics import read_metrics
 
     raw = recipe.to_dict()
     raw["train"]["steps"] = steps
@@ -233,7 +234,7 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
     r.path = recipe.path
     out = workdir / name
     info = run_arm(r, ArmSpec(name=name, optimizer="sgd", kernels={}, lockstep=lockstep), out, corpus=corpus,
-                   progress=False)
+                   progress=False, watcher=Lockstep)
     if info["status"] != "OK":
         raise RuntimeError(f"bench arm {name} ended {info['status']}: {info.get('error') or info.get('stop_where')}")
     rows = read_metrics(out / "metrics.jsonl")
@@ -307,7 +308,7 @@ def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, ste
 
 
 def environment(device: str) -> dict:
-    from .train.arm import environment as arm_environment
+    from divergence.train.arm import environment as arm_environment
 
     env = arm_environment(device)
     try:
@@ -345,7 +346,7 @@ def _rate(ms_per_step, tokens, flops, peak) -> dict:
 def default_lockstep_candidate(device: str) -> str:
     """A fast, correct kernel, so that the lockstep figure is the check's cost (clone, float64 oracle, per-bucket
     errors), not a slow candidate's: the Triton fp32 kernel on CUDA, the sort/segment one on CPU."""
-    from .zoo import has_triton
+    from divergence.zoo import has_triton
 
     return "zoo:triton_embed_fp32" if device == "cuda" and has_triton() else "zoo:embed_sort_segment"
 
@@ -354,10 +355,10 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
               compile_backend="recipe", peak=None, out=None, workdir=None, profile_dir=None, log=print) -> dict:
     """`compile_backend`: "recipe" keeps the recipe's `train.compile`; None or a backend name overrides it for
     the harness arms and the like-for-like bare loop (not for --soak, which runs the recipe as it is)."""
-    from .cli import quiet_lightning
-    from .data import load_corpus
-    from .recipe import load_recipe
-    from .train.arm import model_vocab, resolve_device, resolve_precision
+    from divergence.train.quiet import quiet_lightning
+    from divergence.data import load_corpus
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import model_vocab, resolve_device, resolve_precision
 
     import lightning.pytorch  # noqa: F401  (imported first: it sets its loggers' levels on import)
 
@@ -489,9 +490,9 @@ def format_table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from .recipe import default_recipe_name
+    from divergence.recipe import default_recipe_name
 
-    ap = argparse.ArgumentParser(prog="python -m divergence.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default=None, help="recipe name or path (default: h200 on a GPU, small on CPU)")
     ap.add_argument("--steps", type=int, help="timed steps (default 400 on a GPU, 20 on CPU, at most the "
                                               "recipe's), for the bare loop and each harness arm")
@@ -510,7 +511,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     recipe_name = args.recipe or default_recipe_name()
     out = args.out or os.path.join("results", f"bench-{Path(recipe_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    from .errors import UserError
+    from divergence.errors import UserError
 
     try:
         run_bench(recipe_name, steps=args.steps, warmup=args.warmup, lockstep=not args.no_lockstep,

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from ..errors import UserError
-from ..lockstep import RATIO, _rel, rounding_floor
-from ..slots.contract import Contract
+from ...errors import UserError
+from ..rule import RATIO, rel_error as _rel, rounding_floor
+from ...slots.contract import Contract
 
 # The kinds of finding, in the order the table lists them.
 CHECKS = ("exception", "mutated_input", "unwritten", "nonfinite", "error", "row_error", "nondeterministic",

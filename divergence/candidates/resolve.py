@@ -1,0 +1,40 @@
+"""Spec -> implementation: `resolve` turns what a user or a recipe names (reference, a null, a zoo member, a file,
+a module, a solution.json) into a validated `Impl`, and `build_kernels` fills every slot of one model."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import CandidateError
+from ..slots import SLOTS
+from ..slots.nulls import NULLS
+from ..slots.registry import Impl, Kernels, reference_impl
+from .loader import load_candidate
+
+
+def resolve(slot: str, spec: Optional[str]) -> Impl:
+    """Name or path -> Impl. `reference` (or None), `null-1`.., `zoo:NAME`, a file path, `pkg.module:fn`,
+    a `.cu` source, or a SOL-ExecBench `solution.json`."""
+    if slot not in SLOTS:
+        raise CandidateError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
+    if spec in (None, "", "reference"):
+        return reference_impl(SLOTS[slot])
+    if spec.startswith("null-"):
+        nulls = NULLS[slot]
+        try:
+            k = int(spec[5:])
+            fn, how = nulls[k - 1]
+        except (ValueError, IndexError):
+            raise CandidateError(f"{slot}: unknown null {spec!r}; known: "
+                                 + ", ".join(f"null-{i + 1}" for i in range(len(nulls)))) from None
+        return Impl(slot=slot, name=spec, fn=fn, role="null", meta={"doc": how})
+    return load_candidate(slot, spec)
+
+
+def build_kernels(choices: Optional[dict] = None, context: Optional[dict] = None) -> Kernels:
+    """Every slot filled: the named implementation where `choices` names one, the reference elsewhere."""
+    choices = choices or {}
+    impls = {}
+    for slot in SLOTS:
+        spec = choices.get(slot)
+        impls[slot] = spec if isinstance(spec, Impl) else resolve(slot, spec)
+    return Kernels(impls, context)

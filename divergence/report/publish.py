@@ -1,0 +1,44 @@
+"""What `ab` and `soak` hand to the report layer once a verdict is on disk: the report page and the wandb runs.
+
+The orchestration layer (ab/) never imports this package; cli.py passes these functions down. Neither the report
+nor wandb can lose a verdict: the report draws what it can, and wandb logging turns any failure (a missing install
+included) into one printed line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..train.metrics import write_json
+
+
+def after_ab(out: Path, args, result: dict):
+    from . import write_report
+
+    print(f"report: {write_report(out)}")
+    if not getattr(args, "no_wandb", False):
+        from .wandb import log_ab
+
+        log_ab(out, result)
+
+
+def log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str) -> bool:
+    """A soak cell's runs go into its candidate's group, one group per candidate across seeds and optimizers."""
+    from .wandb import log_ab
+
+    r = log_ab(cell_dir, result, group=label, name_prefix=f"seed-{seed}/", tags=[f"seed-{seed}", soak_id],
+               config={"seed": seed, "soak": soak_id})
+    return _mark_logged(cell_dir, r)
+
+
+def log_soak_table(out: Path, rows: list, meta: dict) -> bool:
+    from .wandb import log_soak
+
+    return _mark_logged(out, log_soak(out, rows, meta, group=out.name))
+
+
+def _mark_logged(folder: Path, r) -> bool:
+    """wandb.json: logged once; a resume logs again only what it re-ran (no duplicate runs in the project)."""
+    if not r or not r["runs"]:
+        return False
+    write_json(folder / "wandb.json", {"mode": r["mode"], "group": r["group"], "runs": [str(p) for p in r["runs"]]})
+    return True
