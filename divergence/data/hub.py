@@ -4,17 +4,45 @@ NAME is a hub dataset (`hf:Salesforce/wikitext:wikitext-103-raw-v1`), or a local
 path usable offline and in tests: a folder goes to `load_dataset(folder)` (the builder is inferred from the files
 in it), a file to the builder its extension names (`hf:corpus.jsonl` -> `load_dataset("json", data_files=...)`).
 A hub dataset's cache key holds its name, config, split and column but no revision (that would need the network
-on every run): delete its `tok-`/`ids-` files under data/ to pick up a new upload.
+on every run): delete its `tok-`/`ids-` files in the data cache to pick up a new upload.
+
+HUB_COPIES names the hub copy of a named source (`wikitext-2`), fetched on first use when no local copy exists.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 from ..errors import DataError
 from ..recipe import DataConfig
-from .sources import Source, search_paths
+from .base import Source, search_paths
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# name -> (hub dataset, config, split): the raw text of WikiText-2's training split (2.1M words, 10.9 MB; the
+# local copy in ../shared/data holds the tokenised validation and test splits, 2.4 MB).
+HUB_COPIES = {"wikitext-2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "train")}
+log = logging.getLogger(__name__)
+
+
+def hub_copy(name: str, cfg: DataConfig, tried: str) -> Source:
+    """The hub copy of named source `name`, read through `datasets` (which caches the download) on first use;
+    one line saying so before the download, and one line naming both ways to get text when it fails."""
+    repo, config, split = HUB_COPIES[name]
+    spec = f"{repo}:{config}"
+    inner = hub_source(spec, dataclasses.replace(cfg, hf_split=split, hf_text_field="text"))
+
+    def read():
+        log.warning("data.source %r: no local copy (tried %s); fetching hf:%s split %s through `datasets` "
+                    "(first use only: cached afterwards)", name, tried, spec, split)
+        try:
+            return inner.read()
+        except DataError as e:
+            raise DataError(f"data.source {name!r}: no local copy (tried {tried}) and no hub copy ({e}); "
+                            f"put its *.txt files in a folder {name}/ under the data root, or train on "
+                            f"synthetic text: --set data.source=synthetic") from None
+
+    return Source(f"{name} (no local copy): {inner.description}", inner.identity, read)
 
 
 def hub_source(spec: str, cfg: DataConfig) -> Source:
