@@ -279,11 +279,21 @@ def load_recipe(name_or_path: str, overrides: Optional[dict] = None) -> Recipe:
         known = ", ".join(sorted(q.stem for q in RECIPES_DIR.glob("*.yaml")))
         raise RecipeError(f"{path}: recipe not found; known recipes: {known}")
     raw = read_yaml_mapping(path)
+    where = f"{path}:"
     if overrides:
         raw = _merge(raw, overrides)
-    recipe = recipe_from_dict(raw, where=f"{path}:")
+        where = f"{path} with {' '.join(_flat(overrides))}:"  # names the override that broke it, if one did
+    recipe = recipe_from_dict(raw, where=where)
     recipe.path = str(path)
     return recipe
+
+
+def _flat(over: dict, prefix: str = "") -> list:
+    """{"train": {"steps": 5}} -> ["train.steps=5"]"""
+    out = []
+    for k, v in over.items():
+        out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}={v}"]
+    return out
 
 
 def _merge(base: dict, over: dict) -> dict:
