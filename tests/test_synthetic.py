@@ -1,6 +1,7 @@
 """Text without ../shared: the synthetic Zipfian stand-in, the fallback to it, and WikiText-2's hub copy (with
 `datasets.load_dataset` replaced through its public name: no network here)."""
 import collections
+import io
 import logging
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from divergence.data import corpus_stats, load_corpus
-from divergence.data import sources, synthetic
+from divergence.data import hub, sources, synthetic
 from divergence.errors import DataError
 from divergence.recipe import DataConfig
 
@@ -90,6 +91,8 @@ def fake_hub(monkeypatch):
 
     fake.offline = False
     monkeypatch.setattr(datasets, "load_dataset", fake)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub.socket, "create_connection", lambda *a, **k: io.BytesIO())  # "reachable"
     return fake, calls, "".join(r if r.endswith("\n") else r + "\n" for r in rows)
 
 
@@ -113,6 +116,20 @@ def test_no_local_copy_and_no_network_is_one_line(no_local_text, fake_hub):
         load_corpus(DataConfig(source="wikitext-2", **no_local_text))
     msg = str(e.value)
     assert "\n" not in msg and len(calls) == 1
-    for needle in ("'wikitext-2': no local copy", no_local_text["root"], "ConnectionError", "Couldn't reach",
-                   "--set data.source=synthetic"):
+    for needle in ("'wikitext-2': no local copy", f"{no_local_text['root']}/wikitext-2", "ConnectionError: Couldn't",
+                   "hf:Salesforce/wikitext:wikitext-2-raw-v1 cannot be fetched", "--set data.source=synthetic"):
         assert needle in msg
+
+
+def test_unreachable_hub_fails_at_once_without_datasets(no_local_text, fake_hub, monkeypatch):
+    """No network: one line after one connect attempt, not huggingface_hub's 25 s of retries."""
+    fake, calls, _ = fake_hub
+
+    def refused(address, timeout=None):
+        assert address == ("huggingface.co", 443) and timeout <= 5
+        raise OSError(-2, "Name or service not known")
+
+    monkeypatch.setattr(hub.socket, "create_connection", refused)
+    with pytest.raises(DataError, match=r"cannot be fetched \(cannot reach huggingface.co:443: Name or service not"):
+        load_corpus(DataConfig(source="wikitext-2", **no_local_text))
+    assert calls == []

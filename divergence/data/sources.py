@@ -77,7 +77,7 @@ def find_local(name: str, cfg: DataConfig) -> tuple:
         return None, tried, ""
     root = _root_or_none(cfg)
     if root is None:
-        return None, tried, _no_root_message()
+        return None, tried + [r / name for r in default_roots()], _no_root_message()
     tried.append(root / name)
     if tried[-1].exists():
         return tried[-1], tried, ""
@@ -107,7 +107,8 @@ def resolve_source(cfg: DataConfig) -> Source:
         log.warning("data.source %r: not found (tried %s); using %s instead ($%s)", name, shown, fallback, FALLBACK_VAR)
         return resolve_source(dataclasses.replace(cfg, source=fallback))
     if name in HUB_COPIES:
-        return hub_copy(name, cfg, shown)
+        root = _root_or_none(cfg) or default_roots()[-1]
+        return hub_copy(name, cfg, shown, f"{root / name}/ (or point ${ENV_VAR} at a folder holding {name}/)")
     if hint.startswith("no text found"):
         raise DataError(f"data.source {name!r}: {hint}")
     raise DataError(
