@@ -64,7 +64,7 @@ def no_local_text(tmp_path, monkeypatch):
     return dict(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "cache"), vocab_size=300)
 
 
-def test_fallback_stands_in_for_a_missing_name_only(no_local_text, monkeypatch, caplog):
+def test_fallback_stands_in_for_a_missing_known_corpus_only(no_local_text, monkeypatch, caplog):
     monkeypatch.setenv(sources.FALLBACK_VAR, "synthetic:2")
     cfg = DataConfig(source="wikitext-2", max_chars=50_000, **no_local_text)
     with caplog.at_level(logging.WARNING):
@@ -74,6 +74,8 @@ def test_fallback_stands_in_for_a_missing_name_only(no_local_text, monkeypatch, 
     (Path(no_local_text["root"]) / "other" / "a.txt").write_text("real words here\n" * 40)
     found = load_corpus(DataConfig(source="other", **no_local_text))  # a name that exists is never replaced
     assert found.source.startswith("other: a.txt")
+    with pytest.raises(DataError, match="'wikitxt-2': no such file"):  # nor is a typo, or any unknown name
+        load_corpus(DataConfig(source="wikitxt-2", **no_local_text))
 
 
 @pytest.fixture

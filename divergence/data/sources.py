@@ -20,8 +20,8 @@ from .base import Source, search_paths
 from .hub import HUB_COPIES, hub_copy, hub_source
 
 ENV_VAR = "DIVERGENCE_DATA"
-# A source that stands in for a named source found nowhere on disk (tests/conftest.py sets it to `synthetic`
-# on a machine without real text); unset, a missing name is fetched from the hub where it has a copy there.
+# What stands in for a known corpus (HUB_COPIES: wikitext-2) found nowhere on disk, instead of its hub copy:
+# tests/conftest.py sets it to `synthetic` on a machine without real text. Other names are never replaced.
 FALLBACK_VAR = "DIVERGENCE_TEXT_FALLBACK"
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ def find_local(name: str, cfg: DataConfig) -> tuple:
 
 
 def resolve_source(cfg: DataConfig) -> Source:
-    """In order: hf:, synthetic[:SEED], a file or folder on disk, $DIVERGENCE_TEXT_FALLBACK for a name found
-    nowhere, the name's hub copy (HUB_COPIES), else one DataError naming every place tried."""
+    """In order: hf:, synthetic[:SEED], a file or folder on disk; for a known corpus found nowhere (HUB_COPIES),
+    $DIVERGENCE_TEXT_FALLBACK, else its hub copy; else one DataError naming every place tried."""
     name = cfg.source.strip()
     if not name:
         raise DataError("data.source is empty; give a file, a folder, a name under the data root, hf:NAME[:CONFIG] "
@@ -103,7 +103,7 @@ def resolve_source(cfg: DataConfig) -> Source:
         return local_source(path, name, cfg.max_chars)
     shown = ", ".join(dict.fromkeys(str(p) for p in tried))
     fallback = os.environ.get(FALLBACK_VAR, "").strip()
-    if fallback and not Path(name).expanduser().is_absolute() and fallback != name:
+    if name in HUB_COPIES and fallback and fallback != name:  # a typo'd name still fails: only known corpora
         log.warning("data.source %r: not found (tried %s); using %s instead ($%s)", name, shown, fallback, FALLBACK_VAR)
         return resolve_source(dataclasses.replace(cfg, source=fallback))
     if name in HUB_COPIES:
