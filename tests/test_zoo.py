@@ -48,7 +48,7 @@ def wikitext_ids(vocab: int, tokens: int) -> torch.Tensor:
     if path is None:  # no real text on this machine (tests/conftest.py): the synthetic Zipfian stand-in's words
         from divergence.data.synthetic import generate
 
-        words = generate(0, 1_200_000).split()
+        words = generate(0, 1_200_000).split()  # punctuation and <unk> stand apart, as in WikiText-2
     else:
         with open(path, encoding="utf-8") as f:
             words = f.read().split()

@@ -121,7 +121,7 @@ def resolve_source(cfg: DataConfig) -> Source:
 
 def synthetic_source(seed: int, max_chars: Optional[int]) -> Source:
     chars = synthetic.DEFAULT_CHARS if max_chars is None else max_chars
-    identity = {"synthetic": synthetic.VERSION, "seed": seed, "chars": chars}
+    identity = {"synthetic": synthetic.settings(), "seed": seed, "chars": chars}
     return Source(synthetic.describe(seed, chars), identity, lambda: [synthetic.generate(seed, chars)[:chars]])
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import DataError
 
-VERSION = 1  # part of the cache key: bump when the generated text changes for a given seed
+VERSION = 1  # part of the cache key (with the constants below): bump when the code changes the text for a seed
 PREFIX = "synthetic"
 DEFAULT_CHARS = 2_400_000  # the size of the local WikiText-2 copy (valid + test): 2.4 MB
 WORDS = 20_000  # lexicon size (WikiText-2's valid + test splits use 18,327 distinct words)
@@ -25,6 +25,7 @@ S, Q = 1.1, 1.0  # Zipf-Mandelbrot exponent and offset
 SENTENCE_WORDS = 24  # mean words per sentence (WikiText-2: ~25 words per full stop)
 COMMA = 0.05  # chance of a comma after a word (WikiText-2: 4.7% of words are commas)
 PARAGRAPH = 8  # mean sentences per line
+UNK, UNK_RANK = "<unk>", 8000  # words past this rank are written <unk>, as in WikiText-2 (6.1% of words; there 5.9%)
 
 ONSETS = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
           "th", "st", "ch", "br", "pl", "tr", "gr", "sh"]
@@ -61,26 +62,33 @@ def lexicon(rng: np.random.Generator, n: int = WORDS) -> list:
 def generate(seed: int, chars: int = DEFAULT_CHARS) -> str:
     """About `chars` characters (cut at a line end at or after it) of text, a pure function of the seed."""
     rng = np.random.default_rng([seed, VERSION])
-    words = np.array(lexicon(rng), dtype=object)
+    words = np.array(lexicon(rng)[:UNK_RANK] + [UNK] * (WORDS - UNK_RANK), dtype=object)
     p = (np.arange(1, WORDS + 1) + Q) ** -S
     cdf = np.cumsum(p / p.sum())
     lines, total = [], 0
     while total < chars:
         n_sent = 1 + rng.poisson(PARAGRAPH - 1)
         lengths = 3 + rng.poisson(SENTENCE_WORDS - 3, n_sent)
-        picked = words[np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), WORDS - 1)]
-        commas = rng.random(len(picked)) < COMMA
+        n = int(lengths.sum())
+        picked = words[np.minimum(np.searchsorted(cdf, rng.random(n)), WORDS - 1)]
+        commas = rng.random(n) < COMMA
         out, start = [], 0
-        for n in lengths:
-            sent = [w + "," if c else w for w, c in zip(picked[start:start + n - 1], commas[start:start + n - 1])]
-            sent.append(picked[start + n - 1] + ".")
-            sent[0] = sent[0].capitalize()
+        for m in lengths:
+            sent = [w + " ," if c else w for w, c in zip(picked[start:start + m - 1], commas[start:start + m - 1])]
+            sent.append(picked[start + m - 1] + " .")
+            sent[0] = sent[0].capitalize() if sent[0] != UNK else UNK
             out.append(" ".join(sent))
-            start += n
-        line = " ".join(out) + "\n"
+            start += m
+        line = " " + " ".join(out) + " \n"
         lines.append(line)
         total += len(line)
     return "".join(lines)
+
+
+def settings() -> dict:
+    """What the text depends on besides seed and length: part of the cache key, so a change re-tokenizes."""
+    return {"version": VERSION, "words": WORDS, "s": S, "q": Q, "sentence": SENTENCE_WORDS, "comma": COMMA,
+            "paragraph": PARAGRAPH, "unk_rank": UNK_RANK}
 
 
 def describe(seed: int, chars: int) -> str:
