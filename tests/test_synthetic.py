@@ -45,7 +45,7 @@ def test_synthetic_source_trains_bpe_and_is_cached(tmp_path):
     assert c.source.startswith("synthetic:3: seeded Zipfian text") and "300,000 chars" in c.source
     assert c.tokenizer.decode(np.concatenate([c.train, c.val]).tolist()) == synthetic.generate(3, 300_000)[:300_000]
     d = corpus_stats(c, tokens_per_step=1024)
-    assert d["top_row_per_step"] > 20 * d["uniform_row_per_step"]  # Zipfian, not uniform: 45x measured
+    assert d["top_row_per_step"] > 20 * d["uniform_row_per_step"]  # Zipfian, not uniform: 34x measured
     assert load_corpus(cfg).key == c.key != load_corpus(DataConfig(**{**cfg.__dict__, "source": "synthetic"})).key
 
 
