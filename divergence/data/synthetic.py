@@ -1,12 +1,16 @@
 """Seeded synthetic text whose word frequencies follow Zipf's law: the stand-in where real text is missing.
 
 `data.source: synthetic` (seed 0) or `synthetic:SEED`. The detector's premise is the skew of real text (a few
-tokens take most of the embedding gradient's contributions), so the generator reproduces that skew, not meaning:
+tokens take most of the embedding gradient's contributions), so the generator reproduces that skew, not meaning,
+in the layout of the local WikiText-2 copy (" Words , words . \n", one paragraph per line):
 - a lexicon of pronounceable words built from shared syllables, shorter words at higher frequency (as in real
   text), so that byte-level BPE has pieces to merge;
-- word ranks drawn from a Zipf-Mandelbrot law p(r) ~ (r + Q)^-S, with S and Q fitted to word-level WikiText-2
-  (top five words 5.9%, 5.9%, 4.7%, 3.7%, 2.8%; slope 0.93 over ranks 1..1000);
-- sentences (capitalised, commas, a full stop) grouped into one paragraph per line, as in WikiText.
+- word ranks drawn i.i.d. from a Zipf-Mandelbrot law p(r) ~ (r + Q)^-S, S and Q chosen so that the head matches
+  word-level WikiText-2 (its top five words: 5.9%, 5.9%, 4.7%, 3.7%, 2.8%);
+- words past rank UNK_RANK written `<unk>`, as WikiText-2 writes its rare words. Beyond fidelity this is what
+  makes the text learnable at the tests' scale: `<unk>` is three BPE tokens, two of them certain once the first is
+  seen. 30 SGD steps of the tiny recipe lowered the loss by 0.37 nats with it, 0.09 without (WikiText-2: 0.50);
+  a word-class chain (a crude grammar) instead gave 0.13 and took 4 s to generate (2026-11-23, 2-core CPU).
 The same seed gives the same text, byte for byte, on any machine (numpy's PCG64 stream is stable across versions).
 """
 from __future__ import annotations
