@@ -34,7 +34,7 @@ train:
 	$(PY) -m divergence.cli train --recipe $(or $(RECIPE),small) $(ARGS)
 
 data-stats:
-	$(PY) -m divergence.cli data stats --recipe $(or $(RECIPE),small)
+	$(PY) -m divergence.cli data stats --recipe $(or $(RECIPE),small) $(ARGS)
 
 ab:
 	$(PY) -m divergence.cli ab --kernel $(KERNEL) $(if $(CANDIDATE),--candidate $(CANDIDATE)) \

@@ -10,21 +10,28 @@ from .errors import UserError
 EXIT_PASS, EXIT_ERROR = 0, 2  # 1: a finding (`ab`, `probe` and `soak` return it themselves)
 
 
+def add_set(p):
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, e.g. --set train.steps=2000 --set optimizers.sgd.lr=0.1 (repeatable)")
+
+
 def cmd_data_stats(args) -> int:
     from .data import corpus_stats, format_stats, load_corpus
+    from .overrides import sets_to_overrides
     from .recipe import load_recipe
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, sets_to_overrides(args.set))
     corpus = load_corpus(recipe.data)
     print(format_stats(corpus_stats(corpus, recipe.tokens_per_step)))
     return EXIT_PASS
 
 
 def cmd_train(args) -> int:
+    from .overrides import sets_to_overrides
     from .recipe import load_recipe
     from .train.arm import ArmSpec, run_arm
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, sets_to_overrides(args.set))
     opt = args.optimizer or (recipe.ab.optimizers[0] if recipe.ab.optimizers else next(iter(recipe.optimizers)))
     if opt not in recipe.optimizers:
         raise UserError(f"{recipe.path}: optimizer {opt!r} has no settings; known: {', '.join(recipe.optimizers)}")
@@ -55,6 +62,7 @@ def _add_ab(sub):
     p.add_argument("--no-probe", action="store_true", help="skip the preflight probe")
     p.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     p.add_argument("--seed", type=int, help="override the recipe's seed")
+    add_set(p)
     p.set_defaults(fn=cmd_ab)
 
 
@@ -118,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="data_cmd", required=True)
     s = dsub.add_parser("stats", help="corpus statistics: Zipf exponent, top-k shares, contributions per row")
     s.add_argument("--recipe", default="small")
+    add_set(s)
     s.set_defaults(fn=cmd_data_stats)
 
     t = sub.add_parser("train", help="train one arm (reference kernels unless --kernel/--candidate)")
@@ -126,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kernel")
     t.add_argument("--candidate")
     t.add_argument("--out")
+    add_set(t)
     t.set_defaults(fn=cmd_train)
 
     _add_ab(sub)
@@ -136,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backend", choices=("local", "ray"), help="where arms run (default: the soak file's, local)")
     k.add_argument("--ray-address", metavar="HOST:PORT", help="the Ray cluster to run on (implies --backend ray)")
     k.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
+    add_set(k)  # applied to the soak's recipe, over the soak file's own overrides
     k.set_defaults(fn=cmd_soak)
     _add_report(sub)
     _add_probe(sub)

@@ -16,9 +16,10 @@ from typing import Optional
 import yaml
 
 from .errors import RecipeError
+from .names import OPTIMIZER_NAMES, SLOT_NAMES
+from .paths import RECIPES_DIR
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RECIPES_DIR = REPO_ROOT / "recipes"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout in a source tree; prefer paths.SOURCE_ROOT
 # null: eager; inductor: fused kernels; inductor+cudagraphs: and CUDA graphs (reduce-overhead); aot_eager, eager:
 # traced but not code-generated (for tests).
 COMPILE_BACKENDS = (None, "inductor", "inductor+cudagraphs", "aot_eager", "eager")
@@ -26,15 +27,19 @@ COMPILE_BACKENDS = (None, "inductor", "inductor+cudagraphs", "aot_eager", "eager
 
 @dataclass
 class DataConfig:
-    source: str = "wikitext-2"  # a file, a folder, a name under the data root, or `hf:NAME[:CONFIG]` for the hub
-    root: Optional[str] = None  # where named sources live; else $DIVERGENCE_DATA, ../shared/data, data/text
+    # a file, a folder, a name under the data root (`wikitext-2` is fetched from the hub when no local copy
+    # exists), `hf:NAME[:CONFIG]` for the hub, or `synthetic[:SEED]` for seeded Zipfian text (data/synthetic.py)
+    source: str = "wikitext-2"
+    root: Optional[str] = None  # where named sources live; else $DIVERGENCE_DATA, ../shared/data, <cache>/text
     hf_split: str = "train"  # split of a hub dataset
     hf_text_field: str = "text"  # column holding the text in a hub dataset
     tokenizer: Optional[str] = None  # path to a tokenizer.json; None trains byte-level BPE on the corpus
     vocab_size: int = 4096  # BPE vocabulary size when training the tokenizer
     val_fraction: float = 0.05  # share of the token stream held out (the tail) for validation
     max_chars: Optional[int] = None  # read at most this many characters of text (hub datasets are large)
-    cache_dir: str = "data"  # where tokenizers and memory-mapped token ids are cached (relative to the repo)
+    # where tokenizers and memory-mapped token ids are cached (a relative path: from the working folder); null:
+    # $DIVERGENCE_CACHE, else data/ in a source checkout, else ~/.cache/divergence (paths.cache_root)
+    cache_dir: Optional[str] = None
 
     def validate(self, where):
         if self.vocab_size < 260:
@@ -142,7 +147,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    optimizers: dict = field(default_factory=dict)  # name -> OptimizerConfig; names from divergence.train.optim
+    optimizers: dict = field(default_factory=dict)  # name -> OptimizerConfig; names from names.OPTIMIZER_NAMES
     kernels: dict = field(default_factory=dict)  # slot -> implementation name (reference when absent)
     ab: ABConfig = field(default_factory=ABConfig)
     path: Optional[str] = None  # the file it came from (set by the loader)
@@ -222,24 +227,20 @@ def recipe_from_dict(raw: dict, where: str = "recipe:") -> Recipe:
     if not isinstance(opts, dict):
         raise RecipeError(f"{_j(where)}optimizers: expected a mapping of optimizer name to settings")
     recipe = _build(Recipe, raw, where)
-    from .train.optim import OPTIMIZERS  # closed table; import here to keep recipe.py torch-free at import
-
     built = {}
     for name, cfg in opts.items():
-        if name not in OPTIMIZERS:
-            raise RecipeError(f"{_j(where)}optimizers.{name}: unknown optimizer; known: {', '.join(OPTIMIZERS)}")
+        if name not in OPTIMIZER_NAMES:
+            raise RecipeError(f"{_j(where)}optimizers.{name}: unknown optimizer; known: {', '.join(OPTIMIZER_NAMES)}")
         built[name] = _build(OptimizerConfig, cfg, f"{_j(where)}optimizers.{name}")
     recipe.optimizers = built
-    from .slots import SLOTS
-
     for slot, impl in recipe.kernels.items():
-        if slot not in SLOTS:
-            raise RecipeError(f"{_j(where)}kernels.{slot}: unknown slot; known: {', '.join(SLOTS)}")
+        if slot not in SLOT_NAMES:
+            raise RecipeError(f"{_j(where)}kernels.{slot}: unknown slot; known: {', '.join(SLOT_NAMES)}")
         if not isinstance(impl, str):
             raise RecipeError(f"{_j(where)}kernels.{slot}: expected an implementation name or path, got {impl!r}")
     for name in recipe.ab.optimizers:
-        if name not in OPTIMIZERS:
-            raise RecipeError(f"{_j(where)}ab.optimizers: unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+        if name not in OPTIMIZER_NAMES:
+            raise RecipeError(f"{_j(where)}ab.optimizers: unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}")
         if name not in built:
             raise RecipeError(f"{_j(where)}ab.optimizers: {name!r} has no settings under optimizers")
     if recipe.ab.nulls < 1:
@@ -278,11 +279,21 @@ def load_recipe(name_or_path: str, overrides: Optional[dict] = None) -> Recipe:
         known = ", ".join(sorted(q.stem for q in RECIPES_DIR.glob("*.yaml")))
         raise RecipeError(f"{path}: recipe not found; known recipes: {known}")
     raw = read_yaml_mapping(path)
+    where = f"{path}:"
     if overrides:
         raw = _merge(raw, overrides)
-    recipe = recipe_from_dict(raw, where=f"{path}:")
+        where = f"{path} with {' '.join(_flat(overrides))}:"  # names the override that broke it, if one did
+    recipe = recipe_from_dict(raw, where=where)
     recipe.path = str(path)
     return recipe
+
+
+def _flat(over: dict, prefix: str = "") -> list:
+    """{"train": {"steps": 5}} -> ["train.steps=5"]"""
+    out = []
+    for k, v in over.items():
+        out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}={v}"]
+    return out
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -7,27 +7,52 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def pytest_sessionstart(session):
-    """The suite trains on real text: without a data root, stop at once saying where to put it, instead of
-    failing test after test on missing result files."""
-    from divergence.data.sources import data_root
+def _real_text():
+    """Where the tiny recipe's real text (WikiText-2) lies on this machine, or None."""
+    from divergence.data.sources import find_local
     from divergence.errors import DataError
     from divergence.recipe import load_recipe
 
+    cfg = load_recipe("tiny").data
     try:
-        data_root(load_recipe("tiny").data)
-    except DataError as e:
-        pytest.exit(f"the tests train on real text and found none: {e}", returncode=2)
+        return find_local(cfg.source, cfg)[0]
+    except DataError as e:  # $DIVERGENCE_DATA or data.root set to a folder that does not exist
+        pytest.exit(f"cannot look for real text: {e}", returncode=2)
+
+
+REAL_TEXT = None
+
+
+def pytest_sessionstart(session):
+    """Without real text, every test trains on seeded synthetic Zipfian text instead (data/synthetic.py), through
+    $DIVERGENCE_TEXT_FALLBACK, which subprocesses inherit; tests marked `real_text` skip. Never the hub."""
+    global REAL_TEXT
+    from divergence.data.sources import FALLBACK_VAR
+
+    REAL_TEXT = _real_text()
+    if REAL_TEXT is None:
+        os.environ.setdefault(FALLBACK_VAR, "synthetic")
+
+
+def pytest_report_header(config):
+    from divergence.data.sources import FALLBACK_VAR
+
+    if REAL_TEXT is not None:
+        return f"text: real, {REAL_TEXT}"
+    return (f"text: no WikiText-2 found: synthetic Zipfian text stands in (${FALLBACK_VAR}="
+            f"{os.environ.get(FALLBACK_VAR)}); tests marked real_text skip")
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly on machines without CUDA (CI never has one)."""
-    if torch.cuda.is_available():
-        return
+    """GPU tests skip cleanly on machines without CUDA (CI never has one); real-text tests without real text."""
+    no_text = pytest.mark.skip(reason="needs real text (WikiText-2 under $DIVERGENCE_DATA, ../shared/data or "
+                                      "data/text); found none, the rest ran on synthetic text")
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        if "real_text" in item.keywords and REAL_TEXT is None:
+            item.add_marker(no_text)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import divergence
 PKG = Path(divergence.__file__).parent
 # Bottom to top. A module may import its own layer and the ones before it.
 LAYERS = [
-    {"divergence", "divergence.errors", "divergence.names", "divergence.recipe"},
+    {"divergence", "divergence.errors", "divergence.names", "divergence.paths", "divergence.recipe",
+     "divergence.overrides", "divergence.recipes"},
     {"divergence.data"},
     {"divergence.slots"},
     {"divergence.zoo"},

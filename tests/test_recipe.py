@@ -53,3 +53,25 @@ def test_bad_recipe_message(tmp_path, text, message):
 def test_missing_recipe_lists_known():
     with pytest.raises(RecipeError, match="known recipes: .*tiny"):
         load_recipe("no-such-recipe")
+
+
+def test_name_tables_match_the_registries():
+    """recipe.py validates against names.py (the bottom layer); the registries above must hold the same names."""
+    from divergence.names import OPTIMIZER_NAMES, SLOT_NAMES
+    from divergence.slots import SLOTS
+    from divergence.train.optim import OPTIMIZERS
+
+    assert tuple(SLOTS) == SLOT_NAMES
+    assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES
+
+
+def test_recipe_imports_no_higher_layer():
+    """Loading and validating a recipe imports neither slots/ nor train/ (nor torch), lazily or not."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from divergence.recipe import load_recipe; load_recipe('tiny'); load_recipe('h200'); "
+            "bad = [m for m in sys.modules if m.startswith(('divergence.slots', 'divergence.train', 'torch'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

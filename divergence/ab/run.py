@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..overrides import sets_to_overrides
 from ..recipe import default_recipe_name, load_recipe
 from ..train.metrics import write_json
 from ..detect import distances as compare, verdict
@@ -66,6 +67,8 @@ def cmd_ab(args, publish=None) -> int:
     from ..train.arm import model_vocab, resolve_device
 
     if args.resume:
+        if getattr(args, "set", None):
+            raise UserError("--set: a resumed run keeps the recipe it started with; start a new run instead")
         out = Path(args.resume)
         plan = _load_plan(out)
         slot, cand, recipe_src = plan["kernel"], plan["candidate"], plan["recipe_path"]
@@ -79,7 +82,9 @@ def cmd_ab(args, publish=None) -> int:
             raise UserError(f"--kernel: unknown slot {slot!r}; known: {', '.join(SLOTS)}")
         cand = args.candidate
         recipe_src = args.recipe or default_recipe_name()
-        overrides = {"seed": args.seed} if args.seed is not None else {}
+        overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
+        if args.seed is not None:
+            overrides["seed"] = args.seed
         opts = None
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)

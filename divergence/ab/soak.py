@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 from ..errors import RecipeError, UserError
-from ..recipe import read_yaml_mapping
+from ..overrides import sets_to_overrides
+from ..recipe import _merge, read_yaml_mapping
 from ..train.metrics import write_atomic, write_json
 
 KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm"}
@@ -116,6 +117,8 @@ def cmd_soak(args, publish=None) -> int:
     from ..train.arm import model_vocab, resolve_device
 
     if args.resume:
+        if getattr(args, "set", None):
+            raise UserError("--set: a resumed soak keeps the recipe it started with; start a new soak instead")
         out = Path(args.resume)
         if not (out / "soak-plan.json").exists():
             raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
@@ -125,6 +128,7 @@ def cmd_soak(args, publish=None) -> int:
         if not args.soak:
             raise UserError("soak: give a SOAK.yaml (or --resume DIR)")
         soak = load_soak(Path(args.soak))
+        soak["overrides"] = _merge(soak["overrides"], sets_to_overrides(getattr(args, "set", None)))
         backend, address = _backend(soak, args)
         soak["created"] = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"soak-{soak['name']}-{soak['created']}")

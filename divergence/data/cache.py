@@ -1,4 +1,5 @@
-"""The on-disk cache: `tok-<key>.json` and `ids-<key>.npy` under REPO_ROOT / cfg.cache_dir (see data/README.md).
+"""The on-disk cache: `tok-<key>.json` and `ids-<key>.npy` in cfg.cache_dir, else paths.cache_root() (see
+data/README.md): $DIVERGENCE_CACHE, data/ of a source checkout, or ~/.cache/divergence when installed.
 
 Every file is written to a temporary name in the same folder and renamed with os.replace, which is atomic on
 POSIX: an interrupted run or two arms preparing the same corpus at once never leave a half-written file behind,
@@ -14,13 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from ..recipe import REPO_ROOT, DataConfig
+from ..paths import cache_root
+from ..recipe import DataConfig
 
 FORMAT = 1  # bump when the tokenizer training or the id stream's layout changes, to orphan old entries
 
 
 def cache_dir(cfg: DataConfig) -> Path:
-    return REPO_ROOT / Path(cfg.cache_dir).expanduser()  # an absolute cache_dir replaces REPO_ROOT
+    if cfg.cache_dir is None:
+        return cache_root()
+    return Path.cwd() / Path(cfg.cache_dir).expanduser()  # an absolute cache_dir replaces the working folder
 
 
 def cache_key(parts: dict) -> str:

@@ -1,41 +1,50 @@
-"""Where text comes from: a file, a folder of *.txt, a name under the data root, or `hf:NAME[:CONFIG]`.
+"""Where text comes from: a file, a folder of *.txt, a name under the data root, `hf:NAME[:CONFIG]`, or
+`synthetic[:SEED]`.
 
 Resolving a source only looks at the file system (paths, sizes, mtimes), so that a cached corpus loads without
 reading its text or touching the network; the text is read by `Source.read()` on a cache miss only.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from ..errors import DataError
-from ..recipe import REPO_ROOT, DataConfig
+from ..paths import SOURCE_ROOT, cache_root
+from ..recipe import DataConfig
+from . import synthetic
+from .base import Source, search_paths
+from .hub import HUB_COPIES, hub_copy, hub_source
 
 ENV_VAR = "DIVERGENCE_DATA"
+# What stands in for a known corpus (HUB_COPIES: wikitext-2) found nowhere on disk, instead of its hub copy:
+# tests/conftest.py sets it to `synthetic` on a machine without real text. Other names are never replaced.
+FALLBACK_VAR = "DIVERGENCE_TEXT_FALLBACK"
+log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Source:
-    description: str  # for people: "wikitext-2: test.txt, valid.txt (2.4 MB) in /work/shared/data/wikitext-2"
-    identity: dict  # what the cache key hashes: resolved paths with sizes and mtimes, or the hub coordinates
-    read: Callable[[], list]  # the documents (str), at most cfg.max_chars characters in all
-
-
-def search_paths(given: Path) -> list:
-    """Where a path may lie: as given when absolute, else under the working folder, then under the repository."""
-    return [given] if given.is_absolute() else [Path.cwd() / given, REPO_ROOT / given]
+__all__ = ["Source", "search_paths", "data_root", "default_roots", "resolve_source", "find_local", "ENV_VAR",
+           "FALLBACK_VAR"]
 
 
 def default_roots() -> list:
     """The data roots tried, in order, when neither data.root nor $DIVERGENCE_DATA is set."""
-    return [REPO_ROOT.parent / "shared" / "data", REPO_ROOT / "data" / "text"]
+    checkout = [SOURCE_ROOT.parent / "shared" / "data", SOURCE_ROOT / "data" / "text"] if SOURCE_ROOT else []
+    return list(dict.fromkeys(checkout + [cache_root() / "text"]))
 
 
 def data_root(cfg: DataConfig) -> Path:
     """cfg.root, else $DIVERGENCE_DATA, else the first existing default root; a DataError saying where to put
     text when none exists (an explicit setting that points nowhere is an error, not a fall-through)."""
+    root = _root_or_none(cfg)
+    if root is None:
+        raise DataError(_no_root_message())
+    return root
+
+
+def _root_or_none(cfg: DataConfig) -> Optional[Path]:
     if cfg.root:
         root = Path(cfg.root).expanduser()
         if not root.is_dir():
@@ -47,47 +56,73 @@ def data_root(cfg: DataConfig) -> Path:
         if not root.is_dir():
             raise DataError(f"${ENV_VAR}={env} is not a folder; point it at a folder of text, or unset it")
         return root
-    for root in default_roots():
-        if root.is_dir():
-            return root
+    return next((r for r in default_roots() if r.is_dir()), None)
+
+
+def _no_root_message() -> str:
     tried = ", ".join(str(r) for r in default_roots())
-    raise DataError(
-        f"no text found: no data root (data.root unset, ${ENV_VAR} unset, none of {tried} exists); "
-        f"put *.txt files in {default_roots()[-1]}/<name>/ and set data.source: <name>, "
-        f"or set ${ENV_VAR} or the recipe's data.root to a folder of text, or data.source to a file or folder"
-    )
+    return (f"no text found: no data root (data.root unset, ${ENV_VAR} unset, none of {tried} exists); "
+            f"put *.txt files in {default_roots()[-1]}/<name>/ and set data.source: <name>, "
+            f"or set ${ENV_VAR} or the recipe's data.root to a folder of text, or data.source to a file or folder")
+
+
+def find_local(name: str, cfg: DataConfig) -> tuple:
+    """(path or None, the places tried, what the data root holds or why there is none): the file system only."""
+    given = Path(name).expanduser()
+    tried = search_paths(given)
+    for path in tried:
+        if path.exists():
+            return path, tried, ""
+    if given.is_absolute():
+        return None, tried, ""
+    root = _root_or_none(cfg)
+    if root is None:
+        return None, tried + [r / name for r in default_roots()], _no_root_message()
+    tried.append(root / name)
+    if tried[-1].exists():
+        return tried[-1], tried, ""
+    known = sorted(p.name for p in root.iterdir()
+                   if not p.name.startswith(".") and (p.is_dir() or p.suffix == ".txt"))
+    return None, tried, f"known under {root}: {', '.join(known) or 'nothing'}"
 
 
 def resolve_source(cfg: DataConfig) -> Source:
+    """In order: hf:, synthetic[:SEED], a file or folder on disk; for a known corpus found nowhere (HUB_COPIES),
+    $DIVERGENCE_TEXT_FALLBACK, else its hub copy; else one DataError naming every place tried."""
     name = cfg.source.strip()
     if not name:
-        raise DataError("data.source is empty; give a file, a folder, a name under the data root, or hf:NAME[:CONFIG]")
+        raise DataError("data.source is empty; give a file, a folder, a name under the data root, hf:NAME[:CONFIG] "
+                        "or synthetic[:SEED]")
     if name.startswith("hf:"):
-        from .hub import hub_source  # `datasets` takes 3 s to import here; only hub sources pay it
-
         return hub_source(name[3:], cfg)
-    given = Path(name).expanduser()
-    candidates = search_paths(given)
-    for path in candidates:
-        if path.exists():
-            return local_source(path, name, cfg.max_chars)
-    if not given.is_absolute():
-        root = data_root(cfg)
-        path = root / name
-        if path.exists():
-            return local_source(path, name, cfg.max_chars)
-        candidates.append(path)
-        known = sorted(p.name for p in root.iterdir()
-                       if not p.name.startswith(".") and (p.is_dir() or p.suffix == ".txt"))
-        hint = f"; known under {root}: {', '.join(known) or 'nothing'}"
-    else:
-        hint = ""
-    tried = ", ".join(dict.fromkeys(str(p) for p in candidates))
+    seed = synthetic.parse_seed(name)
+    if seed is not None:
+        return synthetic_source(seed, cfg.max_chars)
+    path, tried, hint = find_local(name, cfg)
+    if path is not None:
+        return local_source(path, name, cfg.max_chars)
+    shown = ", ".join(dict.fromkeys(str(p) for p in tried))
+    fallback = os.environ.get(FALLBACK_VAR, "").strip()
+    if name in HUB_COPIES and fallback and fallback != name:  # a typo'd name still fails: only known corpora
+        log.warning("data.source %r: not found (tried %s); using %s instead ($%s)", name, shown, fallback, FALLBACK_VAR)
+        return resolve_source(dataclasses.replace(cfg, source=fallback))
+    if name in HUB_COPIES:
+        root = _root_or_none(cfg) or default_roots()[-1]
+        return hub_copy(name, cfg, shown, f"{root / name}/ (or point ${ENV_VAR} at a folder holding {name}/)")
+    if hint.startswith("no text found"):
+        raise DataError(f"data.source {name!r}: {hint}")
     raise DataError(
-        f"data.source {name!r}: no such file or folder (tried {tried}){hint}; "
+        f"data.source {name!r}: no such file or folder (tried {shown}){'; ' + hint if hint else ''}; "
         f"put *.txt files in a folder under the data root "
-        f"(data.root, else ${ENV_VAR}, else {', '.join(map(str, default_roots()))})"
+        f"(data.root, else ${ENV_VAR}, else {', '.join(map(str, default_roots()))}), or use synthetic text "
+        f"(data.source: synthetic)"
     )
+
+
+def synthetic_source(seed: int, max_chars: Optional[int]) -> Source:
+    chars = synthetic.DEFAULT_CHARS if max_chars is None else max_chars
+    identity = {"synthetic": synthetic.settings(), "seed": seed, "chars": chars}
+    return Source(synthetic.describe(seed, chars), identity, lambda: [synthetic.generate(seed, chars)[:chars]])
 
 
 def local_source(path: Path, name: str, max_chars: Optional[int]) -> Source:

@@ -12,7 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..errors import DataError
-from .sources import search_paths
+from .base import search_paths
 
 EOT = "<|endoftext|>"  # the one special token; separates documents (files) in the token stream
 BATCH_LINES = 16384  # lines per encode_batch call: bounds the Encoding objects alive at once

@@ -1,0 +1,7 @@
+"""The closed name tables that recipes are validated against, kept at the bottom of the package so that
+recipe.py never imports the layers that implement them (slots/, train/). tests/test_recipe.py checks that the
+registries (slots.SLOTS, train.optim.OPTIMIZERS) hold exactly these names, in this order."""
+
+SLOT_NAMES = ("fused_embed_rmsnorm", "rmsnorm", "rmsnorm_backward", "rope", "attn_softcap", "swiglu",
+              "cross_entropy")
+OPTIMIZER_NAMES = ("sgd", "adamw", "adafactor")
