@@ -43,6 +43,10 @@ def cmd_train(args) -> int:
     return EXIT_PASS if info["status"] == "OK" else EXIT_ERROR
 
 
+FRESH_HELP = ("train the reference and null arms again instead of taking them from the arms cache "
+              "($DIVERGENCE_ARMS_CACHE, default results/.arms-cache), and replace them there")
+
+
 def _add_ab(sub):
     p = sub.add_parser("ab", help="A/B training: candidate vs reference vs null arms, with a verdict")
     p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless --resume)")
@@ -55,6 +59,7 @@ def _add_ab(sub):
     p.add_argument("--no-probe", action="store_true", help="skip the preflight probe")
     p.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     p.add_argument("--seed", type=int, help="override the recipe's seed")
+    p.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     p.set_defaults(fn=cmd_ab)
 
 
@@ -136,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backend", choices=("local", "ray"), help="where arms run (default: the soak file's, local)")
     k.add_argument("--ray-address", metavar="HOST:PORT", help="the Ray cluster to run on (implies --backend ray)")
     k.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
+    k.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     k.set_defaults(fn=cmd_soak)
     _add_report(sub)
     _add_probe(sub)

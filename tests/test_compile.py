@@ -110,17 +110,19 @@ def _lockstep(compile_backend):
     r = load_recipe("tiny", {"train": {"compile": compile_backend}})
     rank = np.random.default_rng(0).permutation(VOCAB)
     rec = SimpleNamespace(current_step=0, lockstep=None)
-    k = build_kernels({}, {"vocab_size": VOCAB})
-    return Lockstep(r, {"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, k, SimpleNamespace(rank=rank), rec)
+    k = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, {"vocab_size": VOCAB})
+    return Lockstep(r, "fused_embed_rmsnorm", k, SimpleNamespace(rank=rank), rec)
 
 
 def _embed_inputs():
+    """Inputs and the candidate's (the bf16 kernel's) outputs on them."""
     g = torch.Generator().manual_seed(0)
     zipf = torch.distributions.Categorical(probs=1.0 / torch.arange(1, VOCAB + 1).double())
     torch.manual_seed(0)
     ids = zipf.sample((32, 128))  # ~600 contributions to the top row: where bf16 increments get lost
     inputs = fer.make_inputs(g, hidden=32, vocab=VOCAB, ids=ids)
-    return inputs, fer.reference(*inputs, vocab_size=VOCAB)
+    cand = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, {"vocab_size": VOCAB})
+    return inputs, cand("fused_embed_rmsnorm", *inputs)
 
 
 @needs_cxx
