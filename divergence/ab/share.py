@@ -170,57 +170,63 @@ def _finished(job) -> bool:
 
 def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fresh: bool = False, on_done=None,
                log=print) -> tuple:
-    """Like runner.run_jobs ({job key: arm info} for every job, and the counts: arms, trained, shared, from_cache),
+    """Like runner.run_jobs ({job key: arm info} for every job, and counts: arms, trained, shared, from_cache, kept),
     but each shareable arm trains at most once: jobs with the same arm key share one arm (the first trains it, the
     others get links to it), and an arm found in the cache trains not at all (unless `fresh`: then it trains and
     replaces the entry). `backend(jobs, on_done)` runs the arms that do train (local processes or Ray), each once.
     Resume: a job whose folder holds a finished arm is kept as it is, shared or not."""
-    groups, todo = {}, []  # arm key -> [jobs]; the jobs the backend runs
+    groups, todo, results = {}, [], {}  # arm key -> (ingredients, [jobs]); jobs the backend runs; {key: info}
+    counts = {"arms": len(jobs), "trained": 0, "shared": 0, "from_cache": 0, "kept": 0}
+
+    def keep_or_train(job):
+        if _finished(job):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
+            results[job.key] = arm_status(job.out_dir)
+            counts["kept"] += 1
+        else:
+            todo.append(job)
+
     for job in jobs:
         k = arm_key(job.recipe or recipe, job.spec, corpus, device)
         if k is None:
-            todo.append(job)
+            keep_or_train(job)
             continue
-        if k[0] not in groups:
-            groups[k[0]] = (k[1], [])
-        groups[k[0]][1].append(job)
-    results, source, cached = {}, {}, 0
+        groups.setdefault(k[0], (k[1], []))[1].append(job)
+    source = {}  # arm key -> (folder to link from, shared_from)
     for key, (ident, group) in groups.items():
         entry = None if fresh else cache.get(key)
         if entry is not None:
             meta = json.loads((entry / "cache.json").read_text())
             source[key] = (entry, {"cache": str(entry.resolve()), "trained_in": meta.get("trained_in"),
                                    "stored": meta.get("stored"), "host": meta.get("host"), "key": key})
-            cached += 1
         else:
-            todo.append(group[0])  # the owner: trains in its own folder; the rest link to it
-    counts = {"arms": len(jobs), "trained": len(todo),
-              "from_cache": sum(len(g) for k, (_, g) in groups.items() if k in source)}
-    counts["shared"] = counts["arms"] - counts["trained"] - counts["from_cache"]
-    log(f"  arms: {counts['arms']} in all: {counts['trained']} to train, {counts['shared']} shared within this run, "
-        f"{counts['from_cache']} from the cache ({cache.root if cache.root is not None else 'off'}"
+            keep_or_train(group[0])  # the owner: trains in its own folder; the others link to it
+    counts["trained"] = len(todo)
+    where = cache.root if cache.root is not None else "off"
+    log(f"  arms: {len(jobs)} in all, {len(todo)} to train, {len(groups)} reference/null arm(s) shared by "
+        f"{sum(len(g) for _, g in groups.values())} cell arm(s), {len(source)} of them from the cache ({where}"
         f"{', --fresh' if fresh else ''})", flush=True)
     if todo:
         results.update(backend(todo, on_done))
     for key, (ident, group) in groups.items():
         if key not in source:
             owner = group[0]
-            if _finished(owner):
-                if cache.root is not None and (fresh or cache.get(key) is None):
-                    cache.put(key, Path(owner.out_dir), ident)
-                source[key] = (Path(owner.out_dir), {"arm": str(Path(owner.out_dir).resolve()), "key": key})
-            else:  # e.g. a Ray task that died: no arm folder to share, its answer stands for every cell
+            if not _finished(owner):  # e.g. a Ray task that died: no arm folder to share; its answer stands for all
                 for job in group[1:]:
                     results[job.key] = dict(results.get(owner.key) or {})
                 continue
-        src, where = source[key]
+            if cache.root is not None and (fresh or cache.get(key) is None):
+                cache.put(key, Path(owner.out_dir), ident)
+            source[key] = (Path(owner.out_dir), {"arm": str(Path(owner.out_dir).resolve()), "key": key})
+        src, shared_from = source[key]
         for job in group:
             if job.key in results:
-                continue  # the owner, trained just now
-            if _finished(job):  # --resume: already there (trained, linked or copied)
+                continue  # the owner
+            if _finished(job):
                 results[job.key] = arm_status(job.out_dir)
+                counts["kept"] += 1
                 continue
-            results[job.key] = st = materialize(src, Path(job.out_dir), where)
+            results[job.key] = st = materialize(src, Path(job.out_dir), shared_from)
+            counts["from_cache" if "cache" in shared_from else "shared"] += 1
             if on_done:
                 on_done(job.key, st)
     return {job.key: results[job.key] for job in jobs if job.key in results}, counts
