@@ -135,3 +135,31 @@ def test_resume_repeats_no_arm_shared_or_not(runs, tmp_path):
     assert changed == {owner, follower}
     assert [r["verdict"] for r in soak["rows"]] == \
         [r["verdict"] for r in json.loads((root / "soak" / "soak.json").read_text())["rows"]]
+
+
+def test_a_cache_write_cut_short_leaves_no_entry(tmp_path, monkeypatch):
+    """A run killed while storing an arm (here: mid-copy) leaves nothing a later run would take for an arm."""
+    from divergence.ab import share
+
+    src = tmp_path / "arm"
+    (src / "snapshots").mkdir(parents=True)
+    (src / "arm.json").write_text('{"status": "OK"}')
+    (src / "snapshots" / "embed_000000.npy").write_bytes(b"\0" * 64)
+    cache = share.ArmsCache(tmp_path / "cache")
+    link = share._link_or_copy
+
+    def killed(a, b):
+        if a.endswith(".npy"):
+            raise KeyboardInterrupt  # what a signal does between two files
+        link(a, b)
+
+    monkeypatch.setattr(share, "_link_or_copy", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cache.put("k", src, {})
+    assert cache.get("k") is None and not (tmp_path / "cache" / "k").exists()
+    monkeypatch.undo()
+    entry = cache.put("k", src, {})
+    assert cache.get("k") == entry and (entry / "snapshots" / "embed_000000.npy").samefile(
+        src / "snapshots" / "embed_000000.npy")  # a hard link, not a second copy
+    (src / "arm.json").write_text('{"status": "TIMEOUT"}')
+    assert cache.put("bad", src, {}) is None and cache.get("bad") is None  # only arms that finished OK are kept
