@@ -1,6 +1,7 @@
 """`divergence soak SOAK.yaml`: many candidates x optimizers x seeds as one job, one results folder.
 
-Every arm of every (candidate, seed) goes into one queue, for one of two backends:
+Every arm of every (candidate, seed) goes into one queue, the reference and null arms of one seed and optimizer
+once for all candidates (or from the arms cache: ab/share.py), for one of two backends:
 - local (default): `ab.runner.run_jobs`, one process per arm, several at a time, spread over every visible GPU; on
   CPU the same matrix runs with the recipe's worker count;
 - ray: `ab.ray_runner.run_jobs_ray`, each arm a Ray task on a running cluster (`--ray-address HOST:PORT`), which
