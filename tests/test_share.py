@@ -39,8 +39,10 @@ def runs(tmp_path_factory):
     """One soak of three candidates (no cache), then `ab` runs against one arms cache: a cold one per candidate
     (the first fills the cache, the next two take the reference and nulls from it), --fresh, a changed seed."""
     root = tmp_path_factory.mktemp("share")
-    recipe = root / "tiny20.yaml"  # tiny, 20 steps: 20 arms in all here
-    recipe.write_text((RECIPES_DIR / "tiny.yaml").read_text().replace("  steps: 40", "  steps: 20"))
+    recipe = root / "tiny10.yaml"  # tiny, 10 steps: 20 arms in all here
+    text = (RECIPES_DIR / "tiny.yaml").read_text()
+    assert "  steps: 40" in text
+    recipe.write_text(text.replace("  steps: 40", "  steps: 10"))
     soak = root / "soak.yaml"
     soak.write_text(f"name: three\nrecipe: {recipe}\noptimizers: [sgd]\nseeds: [0]\ncandidates:\n"
                     + "".join(f"  - {{kernel: fused_embed_rmsnorm, candidate: '{c}'}}\n" for c in CANDS))
@@ -68,7 +70,7 @@ def test_a_soak_trains_each_reference_and_null_once(runs):
         if "shared_from" in st:  # a cell's shared arm: the same files as the one trained, not a copy
             src = Path(st["shared_from"]["arm"])
             assert src.name == Path(k).name
-            for f in ("metrics.jsonl", "snapshots/embed_000020.npy"):
+            for f in ("metrics.jsonl", "snapshots/embed_000010.npy"):
                 assert (root / "soak" / k / f).samefile(src / f)
 
 
