@@ -202,9 +202,11 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
             keep_or_train(group[0])  # the owner: trains in its own folder; the others link to it
     counts["trained"] = len(todo)
     where = cache.root if cache.root is not None else "off"
-    log(f"  arms: {len(jobs)} in all, {len(todo)} to train, {len(groups)} reference/null arm(s) shared by "
-        f"{sum(len(g) for _, g in groups.values())} cell arm(s), {len(source)} of them from the cache ({where}"
-        f"{', --fresh' if fresh else ''})", flush=True)
+    waiting = [(k, j) for k, (_, g) in groups.items() for j in g if j is not g[0] or k in source]
+    linked = [k for k, j in waiting if not _finished(j)]
+    log(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
+        f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
+        f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
     if todo:
         results.update(backend(todo, on_done))
     for key, (ident, group) in groups.items():
