@@ -6,8 +6,8 @@ Measured in one process on one device (GPU when there is one), with the recipe's
     harness    one arm through `run_arm` (reference kernels, SGD, Lightning, per-step metrics, evaluations,
                snapshots): steady ms/step from the arm's own timings (between its first and last metrics flush,
                both device syncs), its one-time costs, and end-to-end tokens/s
-    lockstep   the same arm with the lockstep check on fused_embed_rmsnorm every `ab.lockstep_every` steps
-               (candidate: a fast correct kernel, so the figure is the check's cost): extra ms/step
+    lockstep   a candidate arm (a fast correct kernel in fused_embed_rmsnorm, so the figure is the check's cost) with
+               the lockstep check every `ab.lockstep_every` steps, against the same arm without it: extra ms/step
     soak       with --soak, the wall time of the default `divergence ab --kernel fused_embed_rmsnorm` on the recipe
 Model FLOPs per step (NOTES' convention): 6 * N * tokens + 12 * n_layers * d_model * seq_len * tokens, N = every
 parameter (embedding and head included), attention counted without a causal discount. At the h200 recipe that is
@@ -218,7 +218,7 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=N
             "n_params": n_params, "loss_step0": vals[0], "loss_last": vals[-1], "compile": backend}
 
 
-def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) -> dict:
+def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, kernels=None) -> dict:
     """One arm of `steps` SGD steps through run_arm, in this process. Its steady ms/step comes from the arm's own
     timings (between the first and last metrics flush, each a device sync): evaluations, snapshots, metrics and
     lockstep included, one-time costs (Lightning's set-up, the first steps, the final evaluation) not."""
@@ -233,7 +233,7 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None) 
     r = recipe_from_dict(raw, where=f"{recipe.path} (bench, steps={steps})")
     r.path = recipe.path
     out = workdir / name
-    info = run_arm(r, ArmSpec(name=name, optimizer="sgd", kernels={}, lockstep=lockstep), out, corpus=corpus,
+    info = run_arm(r, ArmSpec(name=name, optimizer="sgd", kernels=kernels or {}, lockstep=lockstep), out, corpus=corpus,
                    progress=False, watcher=Lockstep)
     if info["status"] != "OK":
         raise RuntimeError(f"bench arm {name} ended {info['status']}: {info.get('error') or info.get('stop_where')}")
@@ -264,8 +264,10 @@ def soak(recipe, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "divergence.cli", "ab", "--kernel", "fused_embed_rmsnorm", "--recipe",
            str(recipe.path), "--out", str(out_dir / "ab"), "--no-wandb"]
     t0 = time.perf_counter()
+    # Every arm trained, none taken from the arms cache (ab/share.py): the figure is a cold A/B's.
+    env = {**os.environ, "DIVERGENCE_ARMS_CACHE": "off"}
     with open(out_dir / "soak.log", "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     wall = time.perf_counter() - t0
     verdict = None
     vpath = out_dir / "ab" / "verdict.json"
@@ -414,10 +416,14 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
             cand = lockstep_candidate or default_lockstep_candidate(device)
             log(f"  harness arm with lockstep on fused_embed_rmsnorm ({cand}), every "
                 f"{recipe.ab.lockstep_every} step(s): {steps} steps ...")
-            c = harness_arm(recipe, corpus, steps, work, "lockstep", lockstep={"fused_embed_rmsnorm": cand})
-            extra = c["ms_per_step"] - h["ms_per_step"]
+            # The check rides in the candidate's arm: its cost is that arm with it against the same arm without.
+            slot = {"fused_embed_rmsnorm": cand}
+            plain_c = harness_arm(recipe, corpus, steps, work, "candidate", kernels=slot)
+            c = harness_arm(recipe, corpus, steps, work, "lockstep", lockstep="fused_embed_rmsnorm", kernels=slot)
+            extra = c["ms_per_step"] - plain_c["ms_per_step"]
             res["lockstep"] = {**c, "candidate_spec": cand, "every": recipe.ab.lockstep_every,
-                               "extra_ms_per_step": extra, "overhead": extra / h["ms_per_step"]}
+                               "candidate_ms_per_step": plain_c["ms_per_step"],
+                               "extra_ms_per_step": extra, "overhead": extra / plain_c["ms_per_step"]}
         if profile_dir:
             log(f"  profiles (torch.profiler, cProfile) into {profile_dir} ...")
             profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir))
@@ -465,7 +471,7 @@ def format_table(res: dict) -> str:
         row("harness arm, end to end (in process)", h, ms=1e3 * h["wall_s"] / h["steps"])
     ls = res.get("lockstep")
     if ls:
-        row(f"harness arm + lockstep (every {ls['every']}), steady", ls)
+        row(f"candidate arm + lockstep (every {ls['every']}), steady", ls)
     if h:
         t = h["timings"]
         against = (f"the compiled bare loop's tokens/s ({h['vs_bare_eager']:.2f}x the eager one's)"

@@ -50,6 +50,10 @@ def cmd_train(args) -> int:
     return EXIT_PASS if info["status"] == "OK" else EXIT_ERROR
 
 
+FRESH_HELP = ("train the reference and null arms again instead of taking them from the arms cache "
+              "($DIVERGENCE_ARMS_CACHE, default results/.arms-cache), and replace them there")
+
+
 def _add_ab(sub):
     p = sub.add_parser("ab", help="A/B training: candidate vs reference vs null arms, with a verdict")
     p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless --resume)")
@@ -63,6 +67,7 @@ def _add_ab(sub):
     p.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     p.add_argument("--seed", type=int, help="override the recipe's seed")
     add_set(p)
+    p.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     p.set_defaults(fn=cmd_ab)
 
 
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--ray-address", metavar="HOST:PORT", help="the Ray cluster to run on (implies --backend ray)")
     k.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     add_set(k)  # applied to the soak's recipe, over the soak file's own overrides
+    k.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     k.set_defaults(fn=cmd_soak)
     _add_report(sub)
     _add_probe(sub)

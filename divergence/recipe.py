@@ -136,7 +136,7 @@ class ABConfig:
     workers: int = 0  # arms at once: per GPU on CUDA (0 = 4), in all on CPU (0 = one per train.threads cores, <= 4)
     step_timeout_s: float = 120.0  # a step slower than this ends the arm with TIMEOUT
     arm_timeout_s: float = 3600.0  # an arm longer than this ends with TIMEOUT
-    lockstep_every: int = 1  # run the candidate beside the reference on live inputs every N steps (0 = off)
+    lockstep_every: int = 1  # the candidate arm checks its op on its live inputs every N steps (0 = off)
     probe: bool = True  # run the preflight probe before training
 
 

@@ -5,6 +5,8 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# No test reads or fills a developer's arms cache (ab/share.py); the cache's own tests name one per test.
+os.environ["DIVERGENCE_ARMS_CACHE"] = "off"
 
 
 def _real_text():

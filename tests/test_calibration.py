@@ -11,6 +11,15 @@ GOOD = [n for n in members("fused_embed_rmsnorm", "good") if not ZOO[n].gpu_only
 BAD = ["embed_bf16_accum", "embed_last_writer_wins"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def arms_cache(tmp_path_factory):
+    """One arms cache for the module: the 15 A/B runs share each seed's reference and null arms (CPU runs are
+    bitwise repeatable), 3 x 9 of them trained instead of 15 x 9 (ab/share.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIVERGENCE_ARMS_CACHE", str(tmp_path_factory.mktemp("arms-cache")))
+        yield
+
+
 def run(tmp_path, name, seed):
     out = tmp_path / f"{name}-{seed}"
     code = main(["ab", "--kernel", "fused_embed_rmsnorm", "--candidate", f"zoo:{name}", "--recipe", "tiny",

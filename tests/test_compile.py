@@ -110,25 +110,27 @@ def _lockstep(compile_backend):
     r = load_recipe("tiny", {"train": {"compile": compile_backend}})
     rank = np.random.default_rng(0).permutation(VOCAB)
     rec = SimpleNamespace(current_step=0, lockstep=None)
-    k = build_kernels({}, {"vocab_size": VOCAB})
-    return Lockstep(r, {"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, k, SimpleNamespace(rank=rank), rec)
+    k = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, {"vocab_size": VOCAB})
+    return Lockstep(r, "fused_embed_rmsnorm", k, SimpleNamespace(rank=rank), rec)
 
 
 def _embed_inputs():
+    """Inputs and the candidate's (the bf16 kernel's) outputs on them."""
     g = torch.Generator().manual_seed(0)
     zipf = torch.distributions.Categorical(probs=1.0 / torch.arange(1, VOCAB + 1).double())
     torch.manual_seed(0)
     ids = zipf.sample((32, 128))  # ~600 contributions to the top row: where bf16 increments get lost
     inputs = fer.make_inputs(g, hidden=32, vocab=VOCAB, ids=ids)
-    return inputs, fer.reference(*inputs, vocab_size=VOCAB)
+    cand = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, {"vocab_size": VOCAB})
+    return inputs, cand("fused_embed_rmsnorm", *inputs)
 
 
 @needs_cxx
 def test_compiled_lockstep_metrics_equal_the_eager_ones():
-    inputs, ref_out = _embed_inputs()
+    inputs, cand_out = _embed_inputs()
     eager, compiled = _lockstep(None), _lockstep("inductor")
     assert compiled.compiled and not eager.compiled
-    a, b = eager._check(inputs, ref_out), compiled._check(inputs, ref_out)
+    a, b = eager._check(inputs, cand_out), compiled._check(inputs, cand_out)
     assert compiled.compile_fallback is None
     assert len(a) == len(eager.keys) and torch.allclose(a, b, rtol=1e-9, atol=0)
     vals = dict(zip(eager.keys, a.tolist()))
@@ -136,14 +138,14 @@ def test_compiled_lockstep_metrics_equal_the_eager_ones():
 
 
 def test_a_failing_compiled_check_falls_back_to_eager_and_says_so():
-    inputs, ref_out = _embed_inputs()
+    inputs, cand_out = _embed_inputs()
     lk = _lockstep("aot_eager")
 
     def broken(*args):
         raise RuntimeError("CompilationError: at 18:4: boom")
 
     lk.measure = broken
-    row = lk._check(inputs, ref_out)
-    assert torch.equal(row, _lockstep(None)._check(inputs, ref_out))  # checked all the same
+    row = lk._check(inputs, cand_out)
+    assert torch.equal(row, _lockstep(None)._check(inputs, cand_out))  # checked all the same
     s = lk.summary()
     assert not s["compiled_metrics"] and "CompilationError" in s["compile_fallback"] and s["error"] is None

@@ -169,7 +169,7 @@ def run(gate, up):
     assert ab(tmp_path / "r", cand) == 0
     assert verdict(tmp_path / "r")["verdict"] == "PASS"
     left = [int(p) for p in pids.read_text().split()]
-    assert left  # the candidate ran (in the candidate arm, and in the reference arm's lockstep check)
+    assert left  # the candidate ran (in the candidate arm only: its lockstep check rides there)
     time.sleep(1)
     for pid in left:
         try:

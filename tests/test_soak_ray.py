@@ -138,6 +138,10 @@ def test_ray_gives_the_local_verdicts_on_both_nodes(cluster, local_soak, tmp_pat
     assert rows(out) == rows(local_soak) and len(rows(out)) == 4
     arms = arm_files(out)
     assert len(arms) == 2 * 2 * 2 * 4
+    # Ray placed each shared arm once: per seed and optimizer 2 candidates + 2 nulls + 1 reference, not 8 arms
+    assert json.loads((out / "soak.json").read_text())["arms"] == \
+        {"arms": 32, "trained": 20, "shared": 12, "from_cache": 0, "kept": 0}
+    assert sum("shared_from" not in json.loads(p.read_text()) for p in arms) == 20
     nodes = {json.loads(p.read_text())["ray"]["node_id"] for p in arms}
     assert len(nodes) == 2, "every arm ran on one node"
     for p in arms:  # CPU arms are bitwise reproducible: the same losses, wherever they ran
@@ -152,8 +156,11 @@ def test_resume_through_ray_repeats_no_finished_arm(cluster, local_soak, tmp_pat
     out = shutil.copytree(local_soak, tmp_path / "out")  # a soak begun with the local scheduler ...
     arms = arm_files(out)
     stamps = {p: p.stat().st_mtime_ns for p in arms}
-    # A lockstep reference arm (the fallback path runs inside the task) and a null arm, in two cells.
-    victims = [[p for p in arms if p.parent.name == name][i] for name, i in (("reference", 0), ("null-2", -1))]
+    # A reference arm shared by the cells of its seed (trained in the first), a candidate arm (with its lockstep
+    # check) in the last cell, and a null arm the last cell shares (a link to the first cell's).
+    trained = [[p for p in arms if p.parent.name == name][i] for name, i in (("reference", 0), ("candidate", -1))]
+    linked = [p for p in arms if p.parent.name == "null-2"][-1]
+    victims = trained + [linked]
     for v in victims:
         v.unlink()  # as if killed while these arms ran
     r = soak_cli(env, "--resume", str(out), "--backend", "ray", "--ray-address", address)  # ... finished on Ray
@@ -161,9 +168,11 @@ def test_resume_through_ray_repeats_no_finished_arm(cluster, local_soak, tmp_pat
     for p, t in stamps.items():
         if p not in victims:
             assert p.stat().st_mtime_ns == t, f"{p} was trained again"
-    for v in victims:
+    for v in trained:
         assert json.loads(v.read_text())["ray"]["node_id"]  # trained by a Ray task
-    assert len(re.findall(r"^  \[\d+/32\] ", r.stdout, re.M)) == len(victims)  # nothing else was submitted
+    assert "shared_from" in json.loads(linked.read_text())  # linked again, not trained
+    assert json.loads((out / "soak.json").read_text())["arms"]["trained"] == len(trained)  # nothing else was submitted
+    assert len(re.findall(r"^  \[\d+/32\] ", r.stdout, re.M)) == len(victims)
     assert rows(out) == rows(local_soak)
 
 

@@ -142,8 +142,9 @@ def test_per_step_metrics_are_the_arms_metrics(results, runs):
                     got = hist[r["step"]][k]
                     assert got == x or (math.isnan(x) and str(got).lower() == "nan"), (arm, r["step"], k)
     ref_keys = set().union(*runs["reference"]["history"])
-    assert "lockstep/err_candidate" in ref_keys  # the op check rides on the reference arm
     cand_keys = set().union(*runs["candidate"]["history"])
+    assert "lockstep/err_candidate" in cand_keys  # the op check rides in the candidate's own arm
+    assert not any(k.startswith("lockstep/") for k in ref_keys)  # the reference runs no candidate code
     assert {"distance/loss", "distance/kl", "distance/drift/top-10"} <= cand_keys
     assert not any(k.startswith("distance/") for k in ref_keys)
 
@@ -157,7 +158,7 @@ def test_the_verdict_is_in_every_summary(results, runs):
         assert s["arm_status"] == "OK"
         if ov["verdict"] == "DIVERGED":
             assert s["flag_metric"] == ov["metric"] and s["flag_first_step"] == ov["first_step"]
-    assert runs["reference"]["summary"]["lockstep_wrong"] == bool(ov["lockstep"]["wrong"])
+    assert runs["candidate"]["summary"]["lockstep_wrong"] == bool(ov["lockstep"]["wrong"])
     s = runs["experiment"]["summary"]
     assert s["verdict"] == v["verdict"] and s["verdict/sgd"] == ov["verdict"]
     assert s.get("verdict_summary") == v.get("summary")

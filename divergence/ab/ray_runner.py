@@ -1,7 +1,7 @@
 """Arms as Ray tasks on a running cluster (`divergence soak --backend ray`): Ray places them, nothing more.
 
 Each task runs its one arm through the local runner, `run_jobs(recipe, [job], None, device, 1)`: the arm gets its
-own process, watchdog and lockstep fallback exactly as on one machine, and writes the same files. Needs:
+own process and watchdog exactly as on one machine, and writes the same files. Needs:
 - a results folder that every node sees at the same path (one host, or a shared mount such as NFS): arms write
   there and the driver judges from there. A task that cannot see it stops the soak with one line;
 - the same Python environment, divergence installed, on every node (the data cache is read from disk by each arm);

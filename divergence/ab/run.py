@@ -116,6 +116,7 @@ def cmd_ab(args, publish=None) -> int:
     vocab = model_vocab(recipe, corpus)
     jobs = plan_arms(recipe, slot, cand, opts, out, lockstep=recipe.ab.lockstep_every > 0)
     total, t0 = len(jobs), time.time()
+    from .share import ArmsCache, run_shared
 
     finished = []
 
@@ -124,7 +125,10 @@ def cmd_ab(args, publish=None) -> int:
         print(f"  [{len(finished)}/{total}] {key}: {st.get('status')} in {st.get('wall_s', 0):.0f} s "
               f"({time.time() - t0:.0f} s elapsed)", flush=True)
 
-    arms = run_jobs(recipe, jobs, corpus, device, _workers(recipe, device), on_done=on_done)
+    workers = _workers(recipe, device)
+    arms, _ = run_shared(recipe, jobs, corpus, device,
+                         lambda todo, done: run_jobs(recipe, todo, corpus, device, workers, on_done=done),
+                         ArmsCache.from_env(), fresh=getattr(args, "fresh", False), on_done=on_done)
     probe_error = None
     if probing is not None:
         try:
@@ -160,7 +164,6 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
     per_opt, drift_tables = {}, {}
     for opt in opts:
         ref_dir = out / opt / "reference"
-        ref_st = arms.get(f"{opt}/reference", {})
         cand_st = arms.get(f"{opt}/candidate", {})
         null_keys = [f"{opt}/null-{k}" for k in range(1, recipe.ab.nulls + 1)]
         bad = [k for k in [f"{opt}/reference"] + null_keys if arms.get(k, {}).get("status") != "OK"]
@@ -175,7 +178,7 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         v = verdict.optimizer_verdict(cand_st, metrics)
         v["metrics"] = metrics
         v["null_spread"] = _null_spread(null_d)
-        v["lockstep"] = ref_st.get("lockstep") or _lockstep_failure(ref_dir)
+        v["lockstep"] = cand_st.get("lockstep")  # the check rides in the candidate's own arm
         per_opt[opt] = v
         drift_tables[opt] = _drift_table(cand_d, null_d, corpus, buckets)
     write_json(out / "drift.json", drift_tables)
@@ -190,18 +193,11 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "floors": verdict.FLOORS,
                  "smooth_steps": smooth, "nulls": recipe.ab.nulls},
         "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"])},
-        "arms": {k: {kk: v.get(kk) for kk in ("status", "wall_s", "tokens_per_s", "error")} for k, v in arms.items()},
+        # shared_from: the arm was trained once for several candidates, or in an earlier run (ab/share.py)
+        "arms": {k: {kk: v.get(kk) for kk in ("status", "wall_s", "tokens_per_s", "error", "shared_from")
+                     if kk != "shared_from" or v.get(kk)} for k, v in arms.items()},
         "env": environment(resolve_device(recipe)),
     }
-
-
-def _lockstep_failure(ref_dir: Path):
-    """The candidate took the lockstep reference process down (crash or hang): the reference was re-run plain."""
-    p = ref_dir / "lockstep_failed.json"
-    if not p.exists():
-        return None
-    st = json.loads(p.read_text())
-    return {"wrong": False, "failed": f"{st.get('status')}: {st.get('error')}", "first_wrong_step": None}
 
 
 def _null_spread(null_d: list) -> dict:

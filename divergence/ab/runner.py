@@ -10,6 +10,7 @@ import faulthandler
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
@@ -50,9 +51,6 @@ class Job:
     key: str  # "<optimizer>/<arm>"
     out_dir: Path
     spec: object  # ArmSpec
-    # Run instead if this job crashes or hangs: the reference arm carries the lockstep check, i.e. untrusted
-    # candidate code; if that takes the process down, the reference is re-run without it.
-    fallback: object = None
     recipe: object = None  # this job's recipe where a soak mixes several (seeds); None: the run's recipe
 
 
@@ -131,11 +129,6 @@ def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, 
     arm_to = recipe.ab.arm_timeout_s
 
     def retire(job, st):
-        """A finished arm; a lockstep reference that the candidate took down is queued again without it."""
-        if st.get("status") in ("CRASH", "TIMEOUT") and job.fallback is not None:
-            write_json(Path(job.out_dir) / "lockstep_failed.json", st)
-            queue.insert(0, Job(job.key, job.out_dir, job.fallback, recipe=job.recipe))
-            return
         results[job.key] = st
         if on_done:
             on_done(job.key, st)
@@ -149,9 +142,10 @@ def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, 
                 draining.remove((proc, deadline))
         while queue and len(running) < workers:
             job = queue.pop(0)
+            # An interrupted attempt starts over in an empty folder: its files may be hard links shared with the
+            # arms cache or another cell (ab/share.py), which writing in place would change there too.
+            shutil.rmtree(job.out_dir, ignore_errors=True)
             Path(job.out_dir).mkdir(parents=True, exist_ok=True)
-            for stale in ("arm.json", "metrics.jsonl"):  # an interrupted attempt starts over
-                Path(job.out_dir, stale).unlink(missing_ok=True)
             gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
             proc = ctx.Process(target=_child, args=(job.recipe or recipe, job.spec, str(job.out_dir),
                                                     corpus if device != "cuda" else None, gpu, time.time()),

@@ -1,6 +1,7 @@
 """`divergence soak SOAK.yaml`: many candidates x optimizers x seeds as one job, one results folder.
 
-Every arm of every (candidate, seed) goes into one queue, for one of two backends:
+Every arm of every (candidate, seed) goes into one queue, the reference and null arms of one seed and optimizer
+once for all candidates (or from the arms cache: ab/share.py), for one of two backends:
 - local (default): `ab.runner.run_jobs`, one process per arm, several at a time, spread over every visible GPU; on
   CPU the same matrix runs with the recipe's worker count;
 - ray: `ab.ray_runner.run_jobs_ray`, each arm a Ray task on a running cluster (`--ray-address HOST:PORT`), which
@@ -168,6 +169,7 @@ def cmd_soak(args, publish=None) -> int:
     print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
           f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
     t0, done, ran = time.time(), [], set()
+    from .share import ArmsCache, run_shared
 
     def on_done(key, st):
         done.append(key)
@@ -177,9 +179,14 @@ def cmd_soak(args, publish=None) -> int:
     if backend == "ray":
         from .ray_runner import run_jobs_ray
 
-        arms = run_jobs_ray(base, jobs, out / "soak-plan.json", address, gpus, on_done=on_done)
+        def train(todo, done_cb):
+            return run_jobs_ray(base, todo, out / "soak-plan.json", address, gpus, on_done=done_cb)
     else:
-        arms = run_jobs(base, jobs, corpus, device, workers, on_done=on_done)
+        def train(todo, done_cb):
+            return run_jobs(base, todo, corpus, device, workers, on_done=done_cb)
+    # Every cell of one seed shares its reference and null arms: each trains once, or comes from the cache.
+    arms, counts = run_shared(base, jobs, corpus, device, train, ArmsCache.from_env(),
+                              fresh=getattr(args, "fresh", False), on_done=on_done)
     rows, logged = [], 0
     for cand, impl, seed, recipe, cell_dir, label in cells:
         prefix = f"{cell_dir.relative_to(out)}/"
@@ -191,7 +198,7 @@ def cmd_soak(args, publish=None) -> int:
         rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
                      "verdict": result["verdict"], "case": result["case"],
                      **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})
-    write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows,
+    write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
                                    "wall_s": time.time() - t0})
     if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
         meta = {"name": soak["name"], "soak": soak, "optimizers": opts, "backend": backend}

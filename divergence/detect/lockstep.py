@@ -1,9 +1,12 @@
-"""Lockstep check: re-run the candidate on exactly the inputs the reference op saw, every k-th step of training.
+"""Lockstep check: in the candidate's own arm, every k-th step, the reference op and the float64 oracle run on
+exactly the inputs the candidate was given (its activations, token ids and upstream gradients, taken before it
+ran), so that both errors are measured on identical inputs.
 
 Free-running A/B compares trajectories that drift apart by chaos and needs an optimizer that exposes the bug;
-here the reference arm's own activations, token ids and upstream gradients are fed to the candidate, and both are
-measured against the float64 oracle on those same inputs (the FlashAttention rule: a correct kernel stays within
-about 2x the reference's own error, with an absolute floor near the output dtype's rounding).
+here the candidate's output that drives training and the reference op's output on the same inputs are both
+measured against the oracle (the FlashAttention rule: a correct kernel stays within about 2x the reference's own
+error, with an absolute floor near the output dtype's rounding). The reference and null arms run no candidate code
+at all, so they can be shared by every candidate of a soak and cached (ab/share.py).
 
 Per checked step it adds to the arm's metrics: `lockstep/err_candidate`, `lockstep/err_reference` (relative L2
 error against the oracle, worst output and worst call of the step), `lockstep/cos` (cosine similarity with the
@@ -15,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..candidates.resolve import resolve
 from ..slots import SLOTS
 from ..slots.contract import as_tuple, oracle_inputs
 from .buckets import bucket_rows
@@ -37,10 +39,10 @@ def _row_sq(x: torch.Tensor) -> torch.Tensor:
 
 
 class Lockstep:
-    def __init__(self, recipe, choice: dict, kernels, corpus, recorder):
-        (self.slot, spec), = choice.items()
-        self.contract = SLOTS[self.slot]
-        self.impl = resolve(self.slot, spec)
+    def __init__(self, recipe, slot: str, kernels, corpus, recorder):
+        """Checks whatever implementation fills `slot` in `kernels` (the candidate, in the candidate arm)."""
+        self.slot, self.contract = slot, SLOTS[slot]
+        self.impl = kernels.impls[slot]
         self.every = max(1, recipe.ab.lockstep_every)
         self.kernels, self.rec = kernels, recorder
         vocab = kernels.context.get("vocab_size")
@@ -61,7 +63,8 @@ class Lockstep:
         self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
         self.mutation = None  # device flags, one per tensor input: did the candidate write into it (no sync per step)
         self.tensor_names = None  # those inputs' names, from the first check (scalars such as eps have no flag)
-        self.error = None  # the candidate raised on live inputs: recorded once, checking stops
+        self.error = None  # the check itself failed (the reference op or the oracle raised): recorded once, stops
+        self.given = None  # (step, copies of the inputs as the candidate got them), taken by `before`
         # The error metrics are the harness's own code: under `train.compile` they run as one compiled graph (about
         # 100 small kernels a check otherwise). The candidate and the oracle run as written (compiling the embedding
         # oracle with them failed to build in Triton 3.6 on the H200, 2026-11-21).
@@ -73,17 +76,30 @@ class Lockstep:
             # No CUDA graphs: the check runs on autograd's thread, beside the step's graphs.
             opts = compile_options(recipe.train.compile, cudagraphs=False)
             self.measure, self.compiled = torch.compile(self._measure, dynamic=False, **opts), True
-        kernels.add_tap(self.tap, [self.slot])
+        kernels.add_tap(self.tap, [self.slot], before=self.before)
         recorder.lockstep = self
 
-    def tap(self, slot, inputs, ref_out):
+    def _due(self) -> bool:
+        # Evaluation passes (the recorder's `evaluating`) are not training steps: only those are checked.
+        return not (self.error or self.rec.current_step % self.every or getattr(self.rec, "evaluating", False))
+
+    def before(self, slot, inputs):
+        """Before the candidate runs: a copy of its inputs, should it write into them (the copy is what the
+        reference op and the oracle get, and what a write is detected against)."""
+        if self._due():
+            with torch.no_grad():
+                self.given = (self.rec.current_step,
+                              [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+
+    def tap(self, slot, inputs, cand_out):
         step = self.rec.current_step
-        if self.error or step % self.every or (self.contract.kind == "forward" and not torch.is_grad_enabled()):
-            return  # evaluation passes run under no_grad: only training steps are checked
+        given, self.given = self.given, None
+        if not self._due() or given is None or given[0] != step:
+            return
         try:
             with torch.no_grad():
-                row = self._check(inputs, as_tuple(ref_out))
-        except Exception as e:  # the candidate's exception must not end the reference arm
+                row = self._check(given[1], as_tuple(cand_out), live=inputs)
+        except Exception as e:  # our own check failing must not end the candidate's arm: say so, check no more
             self.error = f"step {step}: {type(e).__name__}: {e}".splitlines()[0][:300]
             return
         prev = self.rows.get(step)
@@ -94,17 +110,19 @@ class Lockstep:
             row = torch.where(self.is_err, torch.maximum(row, prev), row)
         self.rows[step] = row
 
-    def _check(self, inputs, ref_out) -> torch.Tensor:
+    def _check(self, inputs, cand, live=None) -> torch.Tensor:
+        """One call's metrics: `inputs` as the candidate got them, `cand` its outputs, `live` its input tensors
+        after it ran (None: not checked for writes)."""
         ctx = {k: self.kernels.context[k] for k in self.contract.context}
-        fresh = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-        cand = as_tuple(self.impl.fn(*fresh, **ctx))
-        # Did the candidate write into an input? Bitwise comparison with the untouched original (NaN-safe in one
-        # kernel per input); device flags, read once at the end.
-        if self.tensor_names is None:
-            self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
-        changed = torch.stack([_bits(a).ne(_bits(b)).any() for a, b in zip(fresh, inputs)
-                               if isinstance(a, torch.Tensor)])
-        self.mutation = changed if self.mutation is None else self.mutation | changed
+        ref_out = as_tuple(self.contract.reference(*inputs, **ctx))
+        if live is not None:
+            # Did the candidate write into an input? Bitwise comparison with the copy taken before it ran (NaN-safe
+            # in one kernel per input); device flags, read once at the end.
+            if self.tensor_names is None:
+                self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
+            changed = torch.stack([_bits(a).ne(_bits(b)).any() for a, b in zip(live, inputs)
+                                   if isinstance(a, torch.Tensor)])
+            self.mutation = changed if self.mutation is None else self.mutation | changed
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
         if self.order is not None and self.order.device != cand[0].device:  # once: no copy to the device per step
             self.order = self.order.to(cand[0].device)

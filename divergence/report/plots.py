@@ -310,19 +310,19 @@ def drift_vs_rank(res, path):
 
 
 def has_lockstep(res) -> bool:
-    return any(any("lockstep/err_candidate" in r for r in arms["reference"].rows)
-               for arms in res.arms.values() if "reference" in arms)
+    return any(any("lockstep/err_candidate" in r for r in arms["candidate"].rows)
+               for arms in res.arms.values() if "candidate" in arms)
 
 
 def lockstep_errors(res, path):
-    """The op-level check on the reference arm's live inputs: error against fp64 by step and by frequency bucket."""
+    """The op-level check on the candidate arm's live inputs: error against fp64 by step and by frequency bucket."""
     from ..detect.rule import RATIO
 
     opts = res.optimizers
     fig, axes = _grid(2, len(opts))
     for j, opt in enumerate(opts):
         top, bot = axes[0, j], axes[1, j]
-        ref = res.arms[opt].get("reference")
+        ref = res.arms[opt].get("candidate")  # the arm the check rides in
         if ref is None or not any("lockstep/err_candidate" in r for r in ref.rows):
             _empty(top, f"{opt}: no lockstep check")
             _empty(bot, "")
@@ -350,7 +350,7 @@ def lockstep_errors(res, path):
         bad = ls.get("wrong")
         top.set_title(f"{opt}: op error by step" + (f"  (wrong from step {ls.get('first_wrong_step')})" if bad
                                                      else "  (within limit)"), color=CAND if bad else REF)
-        top.set_xlabel("training step (reference arm's inputs)")
+        top.set_xlabel("training step (candidate arm's inputs)")
         top.set_ylabel("relative L2 error vs fp64", fontsize=8)
 
         table = lockstep_table(ref)

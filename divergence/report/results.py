@@ -21,7 +21,7 @@ class Arm:
     optimizer: str
     name: str  # reference | candidate | null-1 | ...
     dir: Path
-    info: dict  # arm.json: status, wall_s, kernels, env, lockstep summary (reference arm)
+    info: dict  # arm.json: status, wall_s, kernels, env, lockstep summary (candidate arm)
     rows: list  # metrics.jsonl, one dict per step
 
     @property
@@ -131,7 +131,7 @@ def _arm_order(name: str):
 
 
 def lockstep_buckets(ref: Arm) -> list:
-    """'all' and the frequency buckets the reference arm's lockstep metrics have, in BUCKETS order."""
+    """'all' and the frequency buckets the candidate arm's lockstep metrics have, in BUCKETS order."""
     keys = {k.split("/")[1] for r in ref.rows for k in r if k.startswith("lockstep/") and k.count("/") == 2
             and k.endswith("/err_candidate")}
     order = [b for b, _, _ in compare.BUCKETS]

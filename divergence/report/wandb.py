@@ -253,7 +253,7 @@ def _summary(res, v, arm) -> dict:
             out[f"flag_{k}"] = _finite_or_str(ov[k])
     if arm.name == "candidate":
         out["flagged_metrics"] = ", ".join(ov.get("flagged", []))
-    ls = ov.get("lockstep") if arm.name == "reference" else None
+    ls = ov.get("lockstep") if arm.name == "candidate" else None
     if ls:
         out.update(lockstep_wrong=bool(ls.get("wrong")), lockstep_first_wrong_step=ls.get("first_wrong_step"),
                    lockstep_wrong_steps=ls.get("wrong_steps"), lockstep_checked_steps=ls.get("checked_steps"))
@@ -289,7 +289,7 @@ def _tables(wandb, res, v) -> dict:
                                       data=drift_rows)
     ls_rows, ls_steps = [], []
     for o, arms in res.arms.items():
-        ref = arms.get("reference")
+        ref = arms.get("candidate")  # the lockstep check rides in the candidate's own arm
         if ref is None:
             continue
         for t in lockstep_table(ref):

@@ -80,13 +80,13 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
 
 
 def lockstep_sentence(ls) -> str:
-    """The op-level check on the reference arm's live inputs, in one sentence."""
+    """The op-level check on the candidate arm's live inputs, in one sentence."""
     from ..detect.rule import RATIO
 
     if not ls:
         return "not run"
-    if ls.get("failed"):
-        return f"could not run to the end ({ls['failed']}); the reference arm was re-run without it"
+    if ls.get("error") and not ls.get("wrong"):  # our own check failed (the reference op or the oracle raised)
+        return f"stopped after {ls.get('checked_steps', 0)} checked steps: {ls['error']}"
     n = ls.get("checked_steps", 0)
     if not n:
         return "no step checked"

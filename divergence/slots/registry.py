@@ -36,9 +36,10 @@ def sha256_of(paths) -> str:
 class Kernels:
     """The implementation chosen for every slot of one model, plus observers ("taps") of each call.
 
-    `kernels(slot, *inputs)` runs the slot's implementation with the slot's context (e.g. vocab_size) and then
-    every tap as `tap(slot, inputs, outputs)`: the lockstep check hangs off this to re-run a candidate on the exact
-    inputs the reference saw.
+    `kernels(slot, *inputs)` runs each tap's `before(slot, inputs)` (if it has one), then the slot's implementation
+    with the slot's context (e.g. vocab_size), then every tap as `tap(slot, inputs, outputs)`: the lockstep check
+    hangs off this to measure the implementation filling the slot, and the reference op beside it, on the very
+    inputs it was given (`before` keeps a copy of them in case the implementation writes into them).
     """
 
     def __init__(self, impls: dict, context: Optional[dict] = None):
@@ -48,7 +49,7 @@ class Kernels:
         assert not missing, f"no implementation for slots {missing}"
         self.impls = dict(impls)
         self.context = dict(context or {})
-        self.taps: list = []  # (fn, slots or None for all)
+        self.taps: list = []  # (fn, slots or None for all, before or None)
 
     def contract(self, slot: str) -> Contract:
         from . import SLOTS
@@ -58,21 +59,24 @@ class Kernels:
     def __call__(self, slot: str, *inputs):
         impl = self.impls[slot]
         ctx = {k: self.context[k] for k in self.contract(slot).context}
+        for _, slots, before in self.taps:
+            if before is not None and (slots is None or slot in slots):
+                before(slot, inputs)
         out = impl.fn(*inputs, **ctx)
-        for tap, slots in self.taps:
+        for tap, slots, _ in self.taps:
             if slots is None or slot in slots:
                 tap(slot, inputs, out)
         return out
 
-    def add_tap(self, fn, slots=None):
-        self.taps.append((fn, None if slots is None else frozenset(slots)))
+    def add_tap(self, fn, slots=None, before=None):
+        self.taps.append((fn, None if slots is None else frozenset(slots), before))
 
     def is_reference(self, slot: str) -> bool:
         return self.impls[slot].role == "reference"
 
     def is_plain(self, slot: str) -> bool:
         """The reference with nobody watching: the model may use plain autograd ops for it."""
-        return self.is_reference(slot) and not any(s is None or slot in s for _, s in self.taps)
+        return self.is_reference(slot) and not any(s is None or slot in s for _, s, _ in self.taps)
 
     def describe(self) -> dict:
         return {s: {"name": i.name, "role": i.role, "origin": i.origin, "sha256": i.sha256} for s, i in self.impls.items()}

@@ -28,7 +28,9 @@ class ArmSpec:
     name: str  # reference | candidate | null-1 | ... (the wandb job_type too)
     optimizer: str  # key of recipe.optimizers
     kernels: dict = field(default_factory=dict)  # slot -> implementation spec (reference where absent)
-    lockstep: Optional[dict] = None  # {slot: candidate spec}: check the candidate on this arm's live inputs
+    # A slot to check in lockstep: its implementation (the candidate, in the candidate arm) against the reference op
+    # and the float64 oracle on the inputs it is given, every `ab.lockstep_every` steps.
+    lockstep: Optional[str] = None
 
 
 def resolve_device(recipe) -> str:
@@ -68,7 +70,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
             boot_s: Optional[float] = None, watcher=None) -> dict:
     """Train one arm to the end (or to the first NaN); returns and writes its `arm.json`.
 
-    `watcher(recipe, choice, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
+    `watcher(recipe, slot, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
     detectors' Lockstep, passed down by the orchestration layer: training never imports the detectors); its
     `summary()` goes into arm.json."""
     import lightning.pytorch as pl

@@ -46,6 +46,7 @@ class Recorder:
         self.nonfinite = {}  # slot -> device flag, set by the candidate's output check
         self.lockstep = None  # a Lockstep attaches itself here; its metrics join each step's row
         self.current_step = 0
+        self.evaluating = False  # inside an evaluation pass: the lockstep check skips those calls (not a step)
         self.pending_val = None  # validation loss taken before the current step, joined to its row
         self.pending_files = []  # (path, device tensor): evaluations and snapshots, saved at the next flush
         # Where an arm's time goes (arm.json `timings`): evaluations, snapshots, and the steady rate between the
@@ -80,8 +81,13 @@ class Recorder:
 
     def _eval(self, module, step: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        val = module.evaluate(self.val_batches)
-        self.pending_files.append((self.out / "evals" / f"logp_{step:06d}.npy", module.eval_logprobs(self.eval_x)))
+        self.evaluating = True
+        try:
+            val = module.evaluate(self.val_batches)
+            self.pending_files.append((self.out / "evals" / f"logp_{step:06d}.npy",
+                                       module.eval_logprobs(self.eval_x)))
+        finally:
+            self.evaluating = False
         self.t["eval_s"] += time.perf_counter() - t0  # host time: the device's runs on behind it
         self.t["evals"] += 1
         return val

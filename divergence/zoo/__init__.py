@@ -41,7 +41,7 @@ ZOO: dict = {
     "embed_cached_by_identity": ZooEntry(
         "fused_embed_rmsnorm", "bad",
         "results cached by tensor storage (data_ptr): a call on reused storage returns the previous result",
-        "lockstep re-run on the step's real inputs (storage is reused between steps); caching check"),
+        "lockstep on the step's real inputs (storage is reused between steps); caching check"),
     "embed_hardcoded_hidden": ZooEntry(
         "fused_embed_rmsnorm", "bad",
         "hard-coded hidden=4096 (as real SOL-ExecBench submissions do): refuses any other width",

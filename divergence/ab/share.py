@@ -1,0 +1,234 @@
+"""Shared arms: the reference and null arms of one (slot, recipe, seed, optimizer) are trained once and every
+candidate of a run is judged against them; finished ones are kept in a cache that a later `ab` or `soak` reuses.
+
+They can be shared because they run no candidate code (the lockstep check rides in the candidate's own arm). An
+arm's key is a hash of everything that decides what it trains: the recipe's content (overrides and seed included;
+not its name, path, `ab` section or progress bar, which training never reads), the optimizer, every slot's
+implementation (name, role, origin, code hash), the corpus (its cache key and a hash of its token ids), this
+package's training code (`CODE`: the sources an arm runs), the device kind (CPU instruction set or GPU model) and
+the torch and Lightning versions. Arms that run a candidate, or carry a lockstep check, are never shared.
+
+The cache is `$DIVERGENCE_ARMS_CACHE`, or `results/.arms-cache/` under the working directory; `off` disables it.
+An entry `<cache>/<key>/` is a finished arm folder (status OK only: a crash or a timeout is worth another try)
+plus `cache.json` (the key's ingredients and where it was trained). Entries appear by one rename of a complete
+folder, so a killed run never leaves half an arm there; delete the folder (or any entry) to clear it.
+Arms reach a results folder as hard links (no second copy of snapshots and evaluations, and clearing the cache
+breaks no results folder, unlike symbolic links), as copies where the two folders are on different filesystems.
+Nothing writes into a finished arm's files afterwards (arm.json is replaced, never rewritten in place; the runner
+empties a folder before it trains there), so the linked files cannot change under the cache.
+A shared arm's arm.json says where it came from (`shared_from`), which the verdict repeats: on a GPU, where runs
+are not bitwise repeatable, an arm from another run is a different sample of the reference than a fresh one.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..train.metrics import write_json
+from .runner import DONE, arm_status
+
+PACKAGE = Path(__file__).resolve().parents[1]
+# The sources an arm's training runs (ab/runner's child only sets up the process; detect/ is the candidate arm's).
+CODE = ("errors.py", "recipe.py", "data", "slots", "candidates", "model", "train")
+ENV = "DIVERGENCE_ARMS_CACHE"
+DEFAULT_CACHE = Path("results") / ".arms-cache"
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    h = hashlib.sha256()
+    for part in CODE:
+        p = PACKAGE / part
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(str(f.relative_to(PACKAGE)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def device_kind(device: str) -> dict:
+    import lightning
+    import torch
+
+    kind = {"device": device, "torch": torch.__version__, "lightning": lightning.__version__,
+            "machine": platform.machine()}
+    if device == "cuda":
+        kind["gpu"] = torch.cuda.get_device_name(0)
+    else:  # CPU kernels pick their vector width at run time: AVX2 and AVX-512 machines round differently
+        kind["cpu"] = torch.backends.cpu.get_cpu_capability()
+    return kind
+
+
+_corpus_ids: dict = {}
+
+
+def corpus_id(corpus) -> dict:
+    """The corpus's cache key and a hash of its token ids (about 10 ms for WikiText-2's 2.4M ids)."""
+    if corpus.key not in _corpus_ids:
+        import numpy as np
+
+        h = hashlib.sha256()
+        for a in (corpus.train, corpus.val):
+            h.update(np.ascontiguousarray(a).tobytes())
+        _corpus_ids[corpus.key] = {"key": corpus.key, "ids_sha256": h.hexdigest(), "vocab_size": corpus.vocab_size}
+    return _corpus_ids[corpus.key]
+
+
+def arm_key(recipe, spec, corpus, device: str) -> Optional[tuple]:
+    """(key, its ingredients) for an arm that runs no candidate code, else None."""
+    from ..candidates.resolve import build_kernels
+
+    if spec.lockstep or spec.name == "candidate":
+        return None
+    kernels = build_kernels(spec.kernels).describe()
+    if any(k["role"] == "candidate" for k in kernels.values()):
+        return None
+    r = recipe.to_dict()
+    for k in ("name", "path", "ab"):
+        r.pop(k, None)
+    r["train"].pop("progress", None)
+    ident = {"recipe": r, "optimizer": spec.optimizer, "arm": spec.name, "kernels": kernels,
+             "corpus": corpus_id(corpus), "code": code_version(), "env": device_kind(device)}
+    blob = json.dumps(ident, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:32], ident
+
+
+class ArmsCache:
+    def __init__(self, root: Optional[Path]):
+        self.root = None if root is None else Path(root)
+
+    @classmethod
+    def from_env(cls) -> "ArmsCache":
+        v = os.environ.get(ENV)
+        if v is not None and v.strip().lower() in ("off", "none", "0", ""):
+            return cls(None)
+        return cls(Path(v) if v else DEFAULT_CACHE)
+
+    def get(self, key: str) -> Optional[Path]:
+        if self.root is None:
+            return None
+        d = self.root / key
+        st = arm_status(d)
+        return d if st and st.get("status") == "OK" else None
+
+    def put(self, key: str, src: Path, ident: dict) -> Optional[Path]:
+        """Store a finished OK arm under `key` (replacing an entry there: --fresh); one rename makes it appear."""
+        if self.root is None or (arm_status(src) or {}).get("status") != "OK":
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / key
+        tmp = self.root / f".tmp-{key}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        write_json(tmp / "cache.json", {"key": key, "ident": ident, "trained_in": str(Path(src).resolve()),
+                                        "stored": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node()})
+        old = None
+        if final.exists():
+            old = self.root / f".old-{key}-{os.getpid()}"
+            os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another run stored the same arm meanwhile: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem (or one without hard links)
+        shutil.copy2(src, dst)
+
+
+def materialize(src: Path, dst: Path, shared_from: dict) -> dict:
+    """A finished arm folder at `dst`, linked from `src`, its arm.json saying where it came from. Built beside it and
+    renamed into place: a kill leaves `dst` whole, unfinished or absent (resume links it again), never half an arm."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy, ignore=shutil.ignore_patterns("cache.json"))
+    st = arm_status(tmp)
+    st["shared_from"] = shared_from
+    write_json(tmp / "arm.json", st)  # a new file: the source's arm.json is untouched
+    shutil.rmtree(dst, ignore_errors=True)  # an unfinished attempt there
+    os.rename(tmp, dst)
+    return st
+
+
+def _finished(job) -> bool:
+    st = arm_status(job.out_dir)
+    return bool(st and st.get("status") in DONE)
+
+
+def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fresh: bool = False, on_done=None,
+               log=print) -> tuple:
+    """Like runner.run_jobs ({job key: arm info} for every job, and counts: arms, trained, shared, from_cache, kept),
+    but each shareable arm trains at most once: jobs with the same arm key share one arm (the first trains it, the
+    others get links to it), and an arm found in the cache trains not at all (unless `fresh`: then it trains and
+    replaces the entry). `backend(jobs, on_done)` runs the arms that do train (local processes or Ray), each once.
+    Resume: a job whose folder holds a finished arm is kept as it is, shared or not."""
+    groups, todo, results = {}, [], {}  # arm key -> (ingredients, [jobs]); jobs the backend runs; {key: info}
+    counts = {"arms": len(jobs), "trained": 0, "shared": 0, "from_cache": 0, "kept": 0}
+
+    def keep_or_train(job):
+        if _finished(job):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
+            results[job.key] = arm_status(job.out_dir)
+            counts["kept"] += 1
+        else:
+            todo.append(job)
+
+    for job in jobs:
+        k = arm_key(job.recipe or recipe, job.spec, corpus, device)
+        if k is None:
+            keep_or_train(job)
+            continue
+        groups.setdefault(k[0], (k[1], []))[1].append(job)
+    source = {}  # arm key -> (folder to link from, shared_from)
+    for key, (ident, group) in groups.items():
+        entry = None if fresh else cache.get(key)
+        if entry is not None:
+            meta = json.loads((entry / "cache.json").read_text())
+            source[key] = (entry, {"cache": str(entry.resolve()), "trained_in": meta.get("trained_in"),
+                                   "stored": meta.get("stored"), "host": meta.get("host"), "key": key})
+        else:
+            keep_or_train(group[0])  # the owner: trains in its own folder; the others link to it
+    counts["trained"] = len(todo)
+    where = cache.root if cache.root is not None else "off"
+    waiting = [(k, j) for k, (_, g) in groups.items() for j in g if j is not g[0] or k in source]
+    linked = [k for k, j in waiting if not _finished(j)]
+    log(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
+        f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
+        f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
+    if todo:
+        results.update(backend(todo, on_done))
+    for key, (ident, group) in groups.items():
+        if key not in source:
+            owner = group[0]
+            if not _finished(owner):  # e.g. a Ray task that died: no arm folder to share; its answer stands for all
+                for job in group[1:]:
+                    results[job.key] = dict(results.get(owner.key) or {})
+                continue
+            if cache.root is not None and (fresh or cache.get(key) is None):
+                cache.put(key, Path(owner.out_dir), ident)
+            source[key] = (Path(owner.out_dir), {"arm": str(Path(owner.out_dir).resolve()), "key": key})
+        src, shared_from = source[key]
+        for job in group:
+            if job.key in results:
+                continue  # the owner
+            if _finished(job):
+                results[job.key] = arm_status(job.out_dir)
+                counts["kept"] += 1
+                continue
+            results[job.key] = st = materialize(src, Path(job.out_dir), shared_from)
+            counts["from_cache" if "cache" in shared_from else "shared"] += 1
+            if on_done:
+                on_done(job.key, st)
+    return {job.key: results[job.key] for job in jobs if job.key in results}, counts
