@@ -1,0 +1,33 @@
+"""Learning rates across widths: one rule, muP-style.
+
+A recipe's rates were written for one width (`model.base_width`, set by declared shapes to the recipe's own
+d_model). At another width the hidden matrices (attention, MLP, LM head: every 2-D parameter but the embedding)
+take `lr * base_width / d_model`; the embedding and the norm weights keep `lr`. That is muP's rule for Adam-type
+optimizers (a hidden matrix's update changes its output by ~ lr * width per coordinate, so lr ~ 1/width keeps the
+change per step the same), used here for SGD and Adafactor as well. Measured (NOTES, H200): at d_model 4096,
+2 layers, SGD at the shipped lr 0.5 sent every arm, the reference too, to NaN, while lr 0.05 trained; the rule
+gives 0.5 x 384 / 4096 = 0.047 from the h200 recipe's base width. The embedding's rows feed an RMSNorm (scale
+invariant, unit-variance rows), so its gradient does not grow with width and its rate stays.
+"""
+from __future__ import annotations
+
+
+def width_multiplier(model_cfg) -> float:
+    base = model_cfg.base_width
+    return 1.0 if not base else base / model_cfg.d_model
+
+
+def scales_with_width(name: str, param) -> bool:
+    return param.dim() == 2 and name != "embed"
+
+
+def param_groups(model, lr: float, model_cfg) -> list:
+    """Optimizer parameter groups: [the width-independent ones at lr, the hidden matrices at lr x multiplier]
+    (one group when the multiplier is 1, so a recipe without declared shapes trains exactly as before)."""
+    mult = width_multiplier(model_cfg)
+    params = list(model.named_parameters())
+    if mult == 1.0:
+        return [{"params": [p for _, p in params]}]
+    fixed = [p for n, p in params if not scales_with_width(n, p)]
+    scaled = [p for n, p in params if scales_with_width(n, p)]
+    return [{"params": fixed, "lr": lr}, {"params": scaled, "lr": lr * mult}]
