@@ -18,8 +18,9 @@ import numpy as np
 from ..errors import UserError
 from ..recipe import default_recipe_name, load_recipe
 from ..train.metrics import write_json
-from . import compare, verdict
+from . import compare, health, verdict
 from ..probe.run import default_candidate
+from ..probe.shapes import declared_for
 from .plan import plan_arms
 from .runner import run_jobs
 
@@ -68,15 +69,28 @@ def cmd_ab(args) -> int:
         slot, cand, recipe_src = plan["kernel"], plan["candidate"], plan["recipe_path"]
         opts = plan["optimizers"]
         overrides = plan.get("overrides") or {}
+        defn = None
     else:
-        slot = args.kernel
-        if not slot:
+        if args.kernel and args.kernel not in SLOTS:
+            raise UserError(f"--kernel: unknown slot {args.kernel!r}; known: {', '.join(SLOTS)}")
+        if not args.kernel and not args.candidate:
             raise UserError("--kernel: which slot? known: " + ", ".join(SLOTS))
-        if slot not in SLOTS:
-            raise UserError(f"--kernel: unknown slot {slot!r}; known: {', '.join(SLOTS)}")
         cand = args.candidate
-        recipe_src = args.recipe or default_recipe_name()
+        # Declared shapes (a definition's constant axes, --shape) before the recipe: with them and no --recipe, a
+        # GPU takes the recipe written for production shapes (h200-shapes: 2 layers, 200 steps).
+        slot, shapes, source, defn = declared_for(
+            args.kernel, cand, getattr(args, "shape", None), getattr(args, "definition", None),
+            getattr(args, "definitions", None), device="cuda" if _cuda() else "cpu",
+            echo=lambda s: print(s, flush=True))
+        recipe_src = args.recipe or default_recipe_name(shaped=bool(shapes))
         overrides = {"seed": args.seed} if args.seed is not None else {}
+        if shapes:
+            # As an override, so that plan.json (and --resume) rebuild the same model; the recipe's own
+            # `shapes:` fill the axes nothing else declares.
+            base = load_recipe(recipe_src, overrides).shapes
+            overrides["shapes"] = {**base, **shapes}
+            print(f"declared shapes {', '.join(f'{k}={v}' for k, v in overrides['shapes'].items())} "
+                  f"(from {source})", flush=True)
         opts = None
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
@@ -89,7 +103,7 @@ def cmd_ab(args) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")
         out.mkdir(parents=True, exist_ok=True)
-        write_plan(out, slot, cand, recipe, opts, overrides, stamp)
+        write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=defn.path if defn else None)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
 
@@ -99,10 +113,10 @@ def cmd_ab(args) -> int:
             # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            probing = pool.submit(_preflight, slot, cand, out)
+            probing = pool.submit(_preflight, slot, cand, out, recipe.shapes)
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
-            probe = _preflight(slot, cand, out)
+            probe = _preflight(slot, cand, out, recipe.shapes)
 
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
@@ -137,12 +151,19 @@ def cmd_ab(args) -> int:
     return {"PASS": 0, "ERROR": 2}.get(result["verdict"], 1)
 
 
-def _preflight(slot, cand, out):
+def _preflight(slot, cand, out, shapes=None):
     from ..probe import run_probe
 
-    res = run_probe(slot, cand, out_dir=out / "probe")
-    print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))", flush=True)
+    res = run_probe(slot, cand, out_dir=out / "probe", shapes=shapes or None)
+    print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))"
+          + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
     return res
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None) -> dict:
@@ -154,10 +175,14 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         ref_st = arms.get(f"{opt}/reference", {})
         cand_st = arms.get(f"{opt}/candidate", {})
         null_keys = [f"{opt}/null-{k}" for k in range(1, recipe.ab.nulls + 1)]
+        sick = health.reference_problem(recipe, opt, ref_st, ref_dir)
+        if sick:
+            per_opt[opt] = {"verdict": "ERROR", "detail": sick}
+            continue
         bad = [k for k in [f"{opt}/reference"] + null_keys if arms.get(k, {}).get("status") != "OK"]
         if bad:
             per_opt[opt] = {"verdict": "ERROR", "detail": f"harness arm(s) {', '.join(bad)} did not finish: "
-                            + "; ".join(str(arms.get(k, {}).get("error", "")) for k in bad)}
+                            + "; ".join(health.arm_reason(k, arms.get(k)) for k in bad)}
             continue
         null_d = [compare.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = compare.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
