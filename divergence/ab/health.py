@@ -56,7 +56,7 @@ def reference_problem(recipe, opt: str, st: Optional[dict], ref_dir: Path) -> Op
     if not (np.isfinite(end) and end <= start):
         below = np.nonzero(np.nan_to_num(smooth, nan=np.inf) <= start)[0]  # smooth[0] == start: never empty
         first = steps[min(len(steps) - 1, below[-1] + 1 + k - 1)]  # smooth[i] ends at step i + k - 1
-        return (f"{opt}: the reference arm did not train: its loss went from {start:.3f} to {end:.3f} at step "
+        return (f"{opt}: the reference arm did not train: its loss went from {start:.4f} to {end:.4f} at step "
                 f"{int(steps[-1])} (above its start from step {int(first)} on), so nothing can be judged against "
                 "it: " + _fix(recipe, opt))
     return None

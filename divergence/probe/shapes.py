@@ -148,6 +148,11 @@ def guess_shapes(contract, fams: list, findings: list) -> dict:
             want = [int(x) for x in m.group(3).split(",") if x.strip()]
             for axis, g, w in zip(contract.axes[m.group(1)][1], got, want):
                 if isinstance(axis, str) and axis in MODEL_AXES and g != w:
+                    guess[axis] = g
+            # It ran through here: where its output agreed, the family's axis is one it takes (hidden=4096 of the
+            # hidden-4096 family), worth naming where the contract's own value is not
+            for axis, g, w in zip(contract.axes[m.group(1)][1], got, want):
+                if isinstance(axis, str) and axis in MODEL_AXES and g == w and g != contract.shapes.get(axis):
                     guess.setdefault(axis, g)
         # "only supports hidden=4096, got hidden=64": named sizes other than the family's own
         for name, val in re.findall(r"\b([A-Za-z_]+)\s*[=:]\s*(\d+)", f["detail"]):
