@@ -380,7 +380,7 @@ def test_ab_with_a_diverging_reference_says_which_optimizer_step_and_what_to_cha
 
 @pytest.mark.parametrize("field, ok", [
     ({"languages": ["pytorch"]}, True), ({"language": "python"}, True), ({"languages": ["triton", "pytorch"]}, True),
-    ({"language": "pytorch"}, True), ({"languages": ["cuda_cpp", "pytorch"]}, "mixes C++ and Python"),
+    ({"language": "pytorch"}, True), ({"languages": ["cuda_cpp", "pytorch"]}, r"mixes C\+\+ and Python"),
     ({"languages": ["fortran"]}, "unknown language 'fortran'"), ({"languages": []}, "non-empty list"),
 ])
 def test_solution_files_in_both_language_forms(sol, tmp_path, field, ok):
