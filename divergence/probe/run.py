@@ -216,9 +216,18 @@ def _prepared(contract, fam, seed, device, again=False) -> tuple:
         orc = as_tuple(contract.oracle(*oracle_inputs(contract, case.inputs), **case.context))
         ref = as_tuple(contract.reference(*case.inputs, **case.context))
     _PREPARED[key] = (case, orc, ref)
-    while len(_PREPARED) > _KEEP:
+    while len(_PREPARED) > _KEEP or (len(_PREPARED) > 1 and _held_bytes() > _KEEP_BYTES):
         _PREPARED.popitem(last=False)
     return case, orc, ref
+
+
+_KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
+#                        oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
+
+
+def _held_bytes() -> int:
+    return sum(x.numel() * x.element_size() for case, orc, ref in _PREPARED.values()
+               for x in (*case.inputs, *orc, *ref) if isinstance(x, torch.Tensor))
 
 
 def _clone(inputs) -> tuple:

@@ -39,6 +39,26 @@ def _agrees(fam, shapes: dict) -> bool:
     return all(fam.shape.get(k, v) == v for k, v in shapes.items())
 
 
+def _sparse_embed(name, ids_fn, batch, seq, hidden, vocab, **kw):
+    """A family as inputs._embed builds it, with embedding rows drawn only for the ids that occur: the same
+    distribution (i.i.d. unit-normal rows), without a 65,536 x 4096 table (1 GiB, seconds on a CPU generator)
+    per family."""
+    import torch
+
+    def build(gen, device):
+        ids = ids_fn(gen, vocab, batch, seq)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        rows = torch.randn(len(uniq), hidden, generator=gen)
+        norm_weight = (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16)
+        hidden_fp32 = rows[inv]
+        rstd = torch.rsqrt(hidden_fp32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        grad_output = (1e-3 * torch.randn(batch, seq, hidden, generator=gen)).to(torch.bfloat16)
+        inputs = tuple(x.to(device) for x in (grad_output, ids, hidden_fp32, rstd, norm_weight))
+        return fam_inputs.Case(inputs, {"vocab_size": vocab}, {0: fam_inputs.frequent_rows(ids, vocab)})
+
+    return fam_inputs.Family(name, dict(batch=batch, seq=seq, hidden=hidden, vocab=vocab), build, **kw)
+
+
 def _embed_declared(shapes: dict, device: str) -> list:
     """fused_embed_rmsnorm's distribution families at the declared hidden and vocab, 1 token to the largest."""
     from ..slots import SLOTS
@@ -48,7 +68,7 @@ def _embed_declared(shapes: dict, device: str) -> list:
     top = shapes["batch"] * shapes["seq"] if "batch" in shapes and "seq" in shapes else MAX_TOKENS[device]
     mid = max(4, min(MID_TOKENS, top))
     z = fam_inputs._zipf(1.1)
-    e = fam_inputs._embed
+    e = _sparse_embed
     fams = [
         e("uniform", fam_inputs.uniform_ids, 4, mid // 4, H, V, deep=True),
         e("zipf-0.8", fam_inputs._zipf(0.8), 4, mid // 4, H, V),
@@ -106,7 +126,7 @@ def judge(contract, fams: list, findings: list, shapes: Optional[dict], others: 
             if mine:
                 counted.append(f if len(mine) == len(where) else dict(f, family=mine[0], families=mine))
         return ("FAIL" if counted else "PASS"), counted, notes
-    first = fams[0].name if fams else None
+    first = fams[0].name if fams and fams[0].name in ("uniform", "contract") else None  # the contract's shapes
     blocked = [f for f in findings if f["check"] == "exception" and first in f.get("families", [f["family"]])]
     if not blocked:
         return ("FAIL" if findings else "PASS"), findings, []
