@@ -65,7 +65,8 @@ def test_shipped_fixtures_are_the_generators_output(tmp_path):
 def test_definition_loads_with_its_axes(sol):
     d = load_definition(Path(sol["fp32-returning"]).parent / "definition.json")
     assert d.name == l1_087.NAME and list(d.inputs)[0] == "grad_output"
-    assert d.inputs["rstd"].shape == ("batch_size", "seq_len", "one") and d.outputs["grad_norm_weight"].dtype == "bfloat16"
+    assert d.inputs["rstd"].shape == ("batch_size", "seq_len", "one")
+    assert d.outputs["grad_norm_weight"].dtype == "bfloat16"
     assert d.const_axes() == {"hidden_size": 128, "vocab_size": 4096, "one": 1}  # num_tokens = batch x seq: variable
 
 
@@ -315,8 +316,8 @@ def test_without_declared_shapes_a_hardcoded_kernel_gets_no_numerical_verdict(so
 
 def test_probe_and_ab_from_the_solution_alone_end_to_end(sol, tmp_path, capsys):
     """Definition found beside the solution, slot mapped, shapes declared: probe PASS/FAIL, A/B PASS/finding."""
-    assert main(["probe", "--candidate", str(sol["fp32-returning"]), "--seed", "2", "--out", str(tmp_path / "p1")]) == 0
-    assert main(["probe", "--candidate", str(sol["bf16-destination"]), "--seed", "2", "--out", str(tmp_path / "p2")]) == 1
+    for variant, rc in (("fp32-returning", 0), ("bf16-destination", 1)):
+        assert main(["probe", "--candidate", str(sol[variant]), "--seed", "2", "--out", str(tmp_path / variant)]) == rc
     out = capsys.readouterr().out
     assert "-> slot fused_embed_rmsnorm at hidden=128, vocab=4096; its reference agrees" in out
     recipe = yaml.safe_load((RECIPES_DIR / "tiny.yaml").read_text())
@@ -352,7 +353,8 @@ def test_a_reference_that_went_to_nan_or_did_not_train_is_one_clear_line(tmp_pat
     up = [5.0] * 10 + [5.0 + 0.1 * i for i in range(1, 41)]
     st = _arm(tmp_path / "up", "OK", up)
     msg = reference_problem(r, "adamw", st, tmp_path / "up")
-    assert msg.startswith("adamw: the reference arm did not train: its loss went from 5.0000 to 9.0") and "\n" not in msg
+    assert msg.startswith("adamw: the reference arm did not train: its loss went from 5.0000 to 9.0")
+    assert "\n" not in msg
     assert "above its start from step 10 on" in msg
     assert reference_problem(r, "sgd", _arm(tmp_path / "ok", "OK", [5.0, 4.0, 3.0]), tmp_path / "ok") is None
     # no reason is ever empty (the issue saw "did not finish: ; ;")

@@ -205,7 +205,8 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         "recipe": recipe.to_dict(), "optimizers": per_opt,
         "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "floors": verdict.FLOORS,
                  "smooth_steps": smooth, "nulls": recipe.ab.nulls},
-        "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"])},
+        "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"]),
+                                             "notes": probe.get("notes", [])},
         "arms": {k: {kk: v.get(kk) for kk in ("status", "wall_s", "tokens_per_s", "error")} for k, v in arms.items()},
         "env": environment(resolve_device(recipe)),
     }

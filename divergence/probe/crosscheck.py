@@ -73,6 +73,9 @@ def cross_check(defn: Definition, slot: str, shapes: dict, device: str = "cpu", 
             raise DefinitionError(f"{head}: on {name} its reference is off the float64 oracle by {e_def:.2e}, the "
                                   f"slot's reference by {e_ref:.2e} (allowed {lim:.2e}); the mapping is wrong, "
                                   "so no verdict is given under it")
+    del inputs, orc, ref, got
+    if device == "cuda":  # ~4 GiB at 4096 x 65,536, in the process that then runs the probe beside the arms
+        torch.cuda.empty_cache()
     return out
 
 
