@@ -314,6 +314,17 @@ def test_without_declared_shapes_a_hardcoded_kernel_gets_no_numerical_verdict(so
     assert "NEEDS-SHAPES" in out and "pass --shape vocab=65536,hidden=4096" in out
 
 
+def test_shape_flag_declares_the_shapes_without_a_definition(tmp_path, capsys):
+    """The zoo's hidden=4096 kernel, told its width: PASS with the generality note; batch x seq bound the largest."""
+    assert main(["probe", "--kernel", SLOT, "--candidate", "zoo:embed_hardcoded_hidden", "--seed", "3",
+                 "--shape", "hidden=4096,vocab=256,batch=2,seq=256", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "note: runs only at hidden=4096, vocab=256, as its problem declares" in out
+    res = json.loads((tmp_path / "p" / "probe.json").read_text())
+    largest = next(f for f in res["families"] if f["family"] == "largest")
+    assert largest["shape"] == "batch=2 seq=256 hidden=4096 vocab=256" and res["shapes"]["hidden"] == 4096
+
+
 def test_probe_and_ab_from_the_solution_alone_end_to_end(sol, tmp_path, capsys):
     """Definition found beside the solution, slot mapped, shapes declared: probe PASS/FAIL, A/B PASS/finding."""
     for variant, rc in (("fp32-returning", 0), ("bf16-destination", 1)):
@@ -362,6 +373,9 @@ def test_a_reference_that_went_to_nan_or_did_not_train_is_one_clear_line(tmp_pat
         "sgd/null-1 went to NaN at step 3 (train loss)"
     assert arm_reason("sgd/null-2", None).endswith("never wrote arm.json (it did not start)")
     assert arm_reason("sgd/null-2", {"status": "TIMEOUT"}) == "sgd/null-2 ended with TIMEOUT"
+    from divergence.ab.verdict import optimizer_verdict
+
+    assert optimizer_verdict({"status": "TIMEOUT"}, [])["detail"].endswith("ended with TIMEOUT and gave no reason")
 
 
 def test_ab_with_a_diverging_reference_says_which_optimizer_step_and_what_to_change(tmp_path, capsys):

@@ -76,7 +76,8 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     st = arm_status.get("status", "CRASH")
     if st != "OK":
         v = {"verdict": st, "detail": arm_status.get("error") or
-             (f"step {arm_status.get('stop_step')}: non-finite {arm_status.get('stop_where')}" if st == "NAN" else "")}
+             (f"step {arm_status.get('stop_step')}: non-finite {arm_status.get('stop_where')}" if st == "NAN" else
+              f"the candidate's arm ended with {st} and gave no reason")}  # a reason is never empty
         if st == "NAN":
             v.update(step=arm_status.get("stop_step"), where=arm_status.get("stop_where"))
         return v

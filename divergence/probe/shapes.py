@@ -121,8 +121,8 @@ def judge(contract, fams: list, findings: list, shapes: Optional[dict], others: 
             where = f.get("families", [f["family"]])
             mine = [x for x in where if x not in others]
             if len(mine) < len(where) and not notes:
-                notes.append(f"runs only at {_words(shapes)}, as its problem declares (at {f['shape']}: "
-                             f"{f['detail'].split(' (also in')[0]})")
+                notes.append(f"runs only at {_words(_model_axes(shapes) or shapes)}, as its problem declares "
+                             f"(at {f['shape']}: {f['detail'].split(' (also in')[0]})")
             if mine:
                 counted.append(f if len(mine) == len(where) else dict(f, family=mine[0], families=mine))
         return ("FAIL" if counted else "PASS"), counted, notes
