@@ -198,8 +198,16 @@ def declared_for(kernel: Optional[str], candidate: Optional[str], shape: Optiona
     defn = find_definition(candidate, definition, definitions)
     cli = parse_shape_arg(shape) if shape else {}
     if defn is None:
+        from ..candidates.definition import ENV, solution_definition_name
+
+        named = solution_definition_name(candidate)
         if not kernel:
-            raise UserError("--kernel: which slot? (no definition.json found for the candidate to name it)")
+            raise UserError("--kernel: which slot? (no definition.json found for the candidate to name it"
+                            + (f"; it names definition {named!r}: pass --definition FILE or --definitions DIR"
+                               if named else "") + ")")
+        if named and echo and not cli:
+            echo(f"note: the solution names definition {named!r}, not found (beside it, --definitions, ${ENV}): "
+                 "no declared shapes")
         axes, source = merge_declared({}, cli, recipe_shapes or {}, "")
         return kernel, axes, source, None
     slot, const = map_to_slot(defn, kernel)
