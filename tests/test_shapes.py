@@ -389,6 +389,9 @@ def test_ab_with_a_diverging_reference_says_which_optimizer_step_and_what_to_cha
     v = json.loads((tmp_path / "ab" / "verdict.json").read_text())["optimizers"]["sgd"]
     assert v["verdict"] == "ERROR" and v["detail"].startswith("sgd: the reference arm itself went to NaN at step ")
     assert "lower optimizers.sgd.lr (now 1e+30" in v["detail"] and not v["detail"].rstrip().endswith(":")
+    overall = json.loads((tmp_path / "ab" / "verdict.json").read_text())
+    assert overall["summary"] == f"no verdict: {v['detail']}"
+    assert "overall: ERROR: no verdict: sgd: the reference arm itself went to NaN" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------- solution-file forms
