@@ -70,7 +70,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
             raise UserError(f"unknown input famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} for "
                             f"{slot}; known: {', '.join(f.name for f in fams)}")
         fams = [f for f in fams if f.name in only]
-    budget = BUDGET_S[device] if budget_s is None else budget_s
+    budget = shaped.budget(device, shapes, BUDGET_S[device]) if budget_s is None else budget_s
     destination = impl.meta.get("convention") == "destination"
     t0 = time.perf_counter()
     if echo:
