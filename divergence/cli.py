@@ -56,7 +56,8 @@ FRESH_HELP = ("train the reference and null arms again instead of taking them fr
 
 def _add_ab(sub):
     p = sub.add_parser("ab", help="A/B training: candidate vs reference vs null arms, with a verdict")
-    p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless --resume)")
+    p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless --resume or a "
+                                    "definition names it)")
     p.add_argument("--candidate", help="candidate: zoo:NAME, file.py, pkg.mod:fn, file.cu, solution.json "
                                        "(default: the slot's demo candidate)")
     p.add_argument("--recipe", help="recipe name or path (default: small on CPU, h200 on a GPU)")
@@ -68,6 +69,7 @@ def _add_ab(sub):
     p.add_argument("--seed", type=int, help="override the recipe's seed")
     add_set(p)
     p.add_argument("--fresh", action="store_true", help=FRESH_HELP)
+    _add_shapes(p)
     p.set_defaults(fn=cmd_ab)
 
 
@@ -89,18 +91,30 @@ def cmd_probe(args) -> int:
     from .detect.probe.run import command
 
     only = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
-    return command(args.kernel, args.candidate, args.seed, args.out, args.device, only)
+    return command(args.kernel, args.candidate, args.seed, args.out, args.device, only, args.shape, args.definition,
+                   args.definitions)
+
+
+def _add_shapes(p):
+    """Declared shapes, for `probe` and `ab` alike (divergence/shapes.py, candidates/definition.py)."""
+    p.add_argument("--shape", metavar="AXIS=N,...", help="the shapes the kernel was written for, e.g. "
+                                                         "hidden=4096,vocab=65536")
+    p.add_argument("--definition", metavar="FILE", help="the SOL-ExecBench definition.json of the candidate's "
+                                                        "problem (default: one beside the solution)")
+    p.add_argument("--definitions", metavar="DIR", help="a folder of definitions, searched by the solution's "
+                                                        "`definition` name (default: $DIVERGENCE_DEFINITIONS)")
 
 
 def _add_probe(sub):
     p = sub.add_parser("probe", help="check a candidate op against its float64 oracle across input families")
-    p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required)")
+    p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless a definition names it)")
     p.add_argument("--candidate", help="candidate: zoo:NAME, file.py, pkg.mod:fn, file.cu, solution.json, "
                                        "reference, null-1 (default: the slot's demo candidate)")
     p.add_argument("--seed", type=int, help="repeat a run: the seed it printed (default: a fresh one)")
     p.add_argument("--out", help="folder for probe.json (default results/probe-<slot>-<candidate>-<time>)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where available")
     p.add_argument("--families", help="comma-separated input families to run (default: all)")
+    _add_shapes(p)
     p.set_defaults(fn=cmd_probe)
 
 

@@ -52,29 +52,49 @@ class DataConfig:
 class ModelConfig:
     n_layers: int = 2  # transformer blocks
     d_model: int = 64  # width
-    n_heads: int = 4  # attention heads; must divide d_model
+    n_heads: int = 4  # attention heads; must divide d_model unless head_dim is given
+    head_dim: Optional[int] = None  # attention head size; None = d_model / n_heads (Gemma-2: 256, not 3584/16)
     d_ff: int = 176  # SwiGLU hidden width
     seq_len: int = 64  # tokens per sequence
     vocab_size: Optional[int] = None  # embedding rows; None takes the tokenizer's size (must not be smaller)
     rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: Optional[dict] = None  # Llama-3.1's {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    #                                      original_max_position_embeddings}; None = plain RoPE
     attn_softcap: Optional[float] = None  # Gemma-2 attention-logit softcap (50.0 there); None = off
     final_softcap: Optional[float] = None  # Gemma-2 final-logit softcap (30.0 there); None = off
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # normal init of linear and embedding weights
     tie_embeddings: bool = False  # tie LM head to the embedding (off: the embedding's only consumer is the norm)
+    # The width the optimizers' learning rates were written for: at another d_model the hidden matrices' rates
+    # scale by base_width / d_model (train/width.py); None = d_model (no scaling). Declared shapes set it.
+    base_width: Optional[int] = None
+    # A transformers config.json whose shapes fill every model key the recipe does not set (hf_config.py);
+    # relative to the recipe's folder. The depth stays the recipe's.
+    from_hf_config: Optional[str] = None
 
     def validate(self, where):
         for k in ("n_layers", "d_model", "n_heads", "d_ff", "seq_len"):
             if getattr(self, k) <= 0:
                 raise RecipeError(f"{_j(where)}{k}: must be positive, got {getattr(self, k)}")
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise RecipeError(f"{_j(where)}n_heads: {self.n_heads} does not divide d_model={self.d_model}")
-        if (self.d_model // self.n_heads) % 2:
-            raise RecipeError(f"{_j(where)}n_heads: head size {self.d_model // self.n_heads} must be even for RoPE")
+        if self.head_size % 2 or self.head_size <= 0:
+            raise RecipeError(f"{_j(where)}{'head_dim' if self.head_dim else 'n_heads'}: head size {self.head_size} "
+                              "must be even and positive for RoPE")
+        if self.base_width is not None and self.base_width <= 0:
+            raise RecipeError(f"{_j(where)}base_width: must be positive or null, got {self.base_width}")
+        if self.rope_scaling is not None:
+            from .hf_config import check_rope_scaling
+
+            check_rope_scaling(self.rope_scaling, f"{_j(where)}rope_scaling")
         for k in ("attn_softcap", "final_softcap"):
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise RecipeError(f"{_j(where)}{k}: must be positive or null, got {v}")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
 
 
 @dataclass
@@ -150,6 +170,9 @@ class Recipe:
     optimizers: dict = field(default_factory=dict)  # name -> OptimizerConfig; names from names.OPTIMIZER_NAMES
     kernels: dict = field(default_factory=dict)  # slot -> implementation name (reference when absent)
     ab: ABConfig = field(default_factory=ABConfig)
+    # Declared shapes, e.g. {hidden: 4096, vocab: 65536}: the axes a kernel was written for (divergence/shapes.py);
+    # they set the model's width, head size, SwiGLU width and vocabulary rows. A definition or --shape adds to them.
+    shapes: dict = field(default_factory=dict)
     path: Optional[str] = None  # the file it came from (set by the loader)
 
     @property
@@ -221,8 +244,9 @@ def _build(cls, raw, where):
     return obj
 
 
-def recipe_from_dict(raw: dict, where: str = "recipe:") -> Recipe:
-    raw = dict(raw or {})
+def recipe_from_dict(raw: dict, where: str = "recipe:", base: Optional[Path] = None) -> Recipe:
+    """`base`: the folder relative paths in the recipe (model.from_hf_config) start from."""
+    raw = _shaped(dict(raw or {}), where, base)
     opts = raw.pop("optimizers", None) or {}
     if not isinstance(opts, dict):
         raise RecipeError(f"{_j(where)}optimizers: expected a mapping of optimizer name to settings")
@@ -250,6 +274,23 @@ def recipe_from_dict(raw: dict, where: str = "recipe:") -> Recipe:
     if recipe.ab.window < 1:
         raise RecipeError(f"{_j(where)}ab.window: must be >= 1, got {recipe.ab.window}")
     return recipe
+
+
+def _shaped(raw: dict, where: str, base: Optional[Path]) -> dict:
+    """The raw recipe with `model.from_hf_config` and then `shapes` applied to its `model` and `data` mappings."""
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("from_hf_config"):
+        from .hf_config import model_from_hf_config
+
+        raw["model"] = model_from_hf_config(model, base, f"{_j(where)}model.from_hf_config")
+    if raw.get("shapes"):
+        from .shapes import check_shapes, model_overrides
+
+        shapes = check_shapes(raw["shapes"], f"{_j(where)}shapes")
+        if not isinstance(raw.get("model") or {}, dict) or not isinstance(raw.get("data") or {}, dict):
+            return raw  # the typed build names the malformed mapping
+        raw["model"], raw["data"] = model_overrides(raw.get("model"), raw.get("data"), shapes)
+    return raw
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
@@ -283,7 +324,7 @@ def load_recipe(name_or_path: str, overrides: Optional[dict] = None) -> Recipe:
     if overrides:
         raw = _merge(raw, overrides)
         where = f"{path} with {' '.join(_flat(overrides))}:"  # names the override that broke it, if one did
-    recipe = recipe_from_dict(raw, where=where)
+    recipe = recipe_from_dict(raw, where=where, base=path.parent)
     recipe.path = str(path)
     return recipe
 
@@ -306,10 +347,13 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def default_recipe_name() -> str:
-    """`small` on a CPU machine, `h200` where CUDA is available."""
+def default_recipe_name(shaped: bool = False) -> str:
+    """`small` on a CPU machine, `h200` where CUDA is available; `h200-shapes` there for declared production
+    shapes (`shaped`), whose width alone makes the h200 recipe's 6 layers and 1000 steps too long."""
     if os.environ.get("DIVERGENCE_RECIPE"):
         return os.environ["DIVERGENCE_RECIPE"]
     import torch
 
-    return "h200" if torch.cuda.is_available() else "small"
+    if not torch.cuda.is_available():
+        return "small"
+    return "h200-shapes" if shaped else "h200"

@@ -343,7 +343,8 @@ def test_solution_json_declared_convention_must_match(tmp_path):
     (lambda p: _edit(p, lambda s: s["spec"].update(entry_point="kernel.py::run")),
      r"entry file 'kernel.py' of spec.entry_point is not among `sources` \(main.py\)"),
     (lambda p: _edit(p, lambda s: s["spec"].update(entry_point="main.py::launch")), r"defines no function `launch`"),
-    (lambda p: _edit(p, lambda s: s["spec"].update(language="rust")), r"spec.language 'rust' is not one of"),
+    (lambda p: _edit(p, lambda s: s["spec"].update(language="rust")),
+     r"spec.language: unknown language 'rust'; known: python, pytorch"),
     (lambda p: _edit(p, lambda s: s["spec"].update(destination_passing_style="yes")),
      r"destination_passing_style must be true or false"),
 ])

@@ -21,6 +21,8 @@ from ..recipe import default_recipe_name, load_recipe
 from ..train.metrics import write_json
 from ..detect import distances as compare, verdict
 from ..detect.probe.run import default_candidate
+from ..detect.probe.shapes import declared_for
+from . import health
 from .plan import plan_arms
 from .runner import run_jobs
 
@@ -74,17 +76,30 @@ def cmd_ab(args, publish=None) -> int:
         slot, cand, recipe_src = plan["kernel"], plan["candidate"], plan["recipe_path"]
         opts = plan["optimizers"]
         overrides = plan.get("overrides") or {}
+        defn = None
     else:
-        slot = args.kernel
-        if not slot:
+        if args.kernel and args.kernel not in SLOTS:
+            raise UserError(f"--kernel: unknown slot {args.kernel!r}; known: {', '.join(SLOTS)}")
+        if not args.kernel and not args.candidate:
             raise UserError("--kernel: which slot? known: " + ", ".join(SLOTS))
-        if slot not in SLOTS:
-            raise UserError(f"--kernel: unknown slot {slot!r}; known: {', '.join(SLOTS)}")
         cand = args.candidate
-        recipe_src = args.recipe or default_recipe_name()
+        # Declared shapes (a definition's constant axes, --shape) before the recipe: with them and no --recipe, a
+        # GPU takes the recipe written for production shapes (h200-shapes: 2 layers, 200 steps).
+        slot, shapes, source, defn = declared_for(
+            args.kernel, cand, getattr(args, "shape", None), getattr(args, "definition", None),
+            getattr(args, "definitions", None), device="cuda" if _cuda() else "cpu",
+            echo=lambda s: print(s, flush=True))
+        recipe_src = args.recipe or default_recipe_name(shaped=bool(shapes))
         overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
         if args.seed is not None:
             overrides["seed"] = args.seed
+        if shapes:
+            # As an override, so that plan.json (and --resume) rebuild the same model; the recipe's own
+            # `shapes:` fill the axes nothing else declares.
+            base = load_recipe(recipe_src, overrides).shapes
+            overrides["shapes"] = {**base, **shapes}
+            print(f"declared shapes {', '.join(f'{k}={v}' for k, v in overrides['shapes'].items())} "
+                  f"(from {source})", flush=True)
         opts = None
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
@@ -97,7 +112,7 @@ def cmd_ab(args, publish=None) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")
         out.mkdir(parents=True, exist_ok=True)
-        write_plan(out, slot, cand, recipe, opts, overrides, stamp)
+        write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=defn.path if defn else None)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
 
@@ -107,10 +122,10 @@ def cmd_ab(args, publish=None) -> int:
             # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            probing = pool.submit(_preflight, slot, cand, out)
+            probing = pool.submit(_preflight, slot, cand, out, recipe.shapes)
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
-            probe = _preflight(slot, cand, out)
+            probe = _preflight(slot, cand, out, recipe.shapes)
 
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
@@ -150,12 +165,19 @@ def cmd_ab(args, publish=None) -> int:
     return {"PASS": 0, "ERROR": 2}.get(result["verdict"], 1)
 
 
-def _preflight(slot, cand, out):
+def _preflight(slot, cand, out, shapes=None):
     from ..detect.probe import run_probe
 
-    res = run_probe(slot, cand, out_dir=out / "probe")
-    print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))", flush=True)
+    res = run_probe(slot, cand, out_dir=out / "probe", shapes=shapes or None)
+    print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))"
+          + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
     return res
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None) -> dict:
@@ -164,12 +186,17 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
     per_opt, drift_tables = {}, {}
     for opt in opts:
         ref_dir = out / opt / "reference"
+        ref_st = arms.get(f"{opt}/reference", {})
         cand_st = arms.get(f"{opt}/candidate", {})
         null_keys = [f"{opt}/null-{k}" for k in range(1, recipe.ab.nulls + 1)]
+        sick = health.reference_problem(recipe, opt, ref_st, ref_dir)
+        if sick:
+            per_opt[opt] = {"verdict": "ERROR", "detail": sick}
+            continue
         bad = [k for k in [f"{opt}/reference"] + null_keys if arms.get(k, {}).get("status") != "OK"]
         if bad:
             per_opt[opt] = {"verdict": "ERROR", "detail": f"harness arm(s) {', '.join(bad)} did not finish: "
-                            + "; ".join(str(arms.get(k, {}).get("error", "")) for k in bad)}
+                            + "; ".join(health.arm_reason(k, arms.get(k)) for k in bad)}
             continue
         null_d = [compare.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = compare.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
@@ -192,7 +219,8 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         "recipe": recipe.to_dict(), "optimizers": per_opt,
         "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "floors": verdict.FLOORS,
                  "smooth_steps": smooth, "nulls": recipe.ab.nulls},
-        "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"])},
+        "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"]),
+                                             "notes": probe.get("notes", [])},
         # shared_from: the arm was trained once for several candidates, or in an earlier run (ab/share.py)
         "arms": {k: {kk: v.get(kk) for kk in ("status", "wall_s", "tokens_per_s", "error", "shared_from")
                      if kk != "shared_from" or v.get(kk)} for k, v in arms.items()},

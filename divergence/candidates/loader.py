@@ -184,9 +184,7 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
     if not isinstance(dps, bool):
         raise CandidateError(f"{path}: spec.destination_passing_style must be true or false, got {dps!r}")
     convention = "destination" if dps else "returning"
-    language = spec.get("language") or ("cuda" if entry_file.endswith(CUDA_SUFFIXES) else "python")
-    if language not in ("python", "triton", "cuda", "cpp"):
-        raise CandidateError(f"{path}: spec.language {language!r} is not one of python, triton, cuda, cpp")
+    language = _language(spec, entry_file, path)
     name = sol.get("name") if isinstance(sol.get("name"), str) and sol.get("name") else path.stem
     meta = {"definition": sol.get("definition"), "language": language}
 
@@ -208,6 +206,35 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
                              f"({', '.join(files)})")
     return _load_python_file(contract, root / entry_file, name=name, convention=convention, symbol=symbol,
                              where=f"{path} ({entry_file})", hashed=[path], meta=meta, origin=str(path))
+
+
+# How each language of a solution is loaded: SOL-ExecBench's `languages` values (the list form, 2026) and the
+# singular `language` of its first public version (March 2026); both forms exist in the wild.
+LANGUAGES = {"python": "python", "pytorch": "python", "triton": "triton", "cute_dsl": "python", "cutile": "python",
+             "cudnn_frontend": "python", "cuda": "cuda", "cpp": "cpp", "cuda_cpp": "cuda", "cutlass": "cuda",
+             "cudnn": "cuda", "cublas": "cuda"}
+
+
+def _language(spec: dict, entry_file: str, path: Path) -> str:
+    """`spec.languages` (a list) or `spec.language` (a string) -> python, triton, cuda or cpp."""
+    given = spec.get("languages", spec.get("language"))
+    key = "languages" if "languages" in spec else "language"
+    if given is None:
+        return "cuda" if entry_file.endswith(CUDA_SUFFIXES) else "python"
+    names = given if isinstance(given, list) else [given]
+    if not names or not all(isinstance(n, str) for n in names):
+        raise CandidateError(f"{path}: spec.{key} must be a language name or a non-empty list of them, got {given!r}")
+    unknown = [n for n in names if n.lower() not in LANGUAGES]
+    if unknown:
+        raise CandidateError(f"{path}: spec.{key}: unknown language {unknown[0]!r}; known: {', '.join(LANGUAGES)}")
+    kinds = {LANGUAGES[n.lower()] for n in names}
+    compiled = kinds & {"cuda", "cpp"}
+    if compiled and kinds - compiled:
+        raise CandidateError(f"{path}: spec.{key} mixes C++ and Python languages ({', '.join(names)}), "
+                             "which SOL-ExecBench does not allow")
+    if compiled:
+        return "cuda" if "cuda" in compiled else "cpp"
+    return "triton" if "triton" in kinds else "python"
 
 
 # ----------------------------------------------------------------------------------------- import and inspect

@@ -76,7 +76,8 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     st = arm_status.get("status", "CRASH")
     if st != "OK":
         v = {"verdict": st, "detail": arm_status.get("error") or
-             (f"step {arm_status.get('stop_step')}: non-finite {arm_status.get('stop_where')}" if st == "NAN" else "")}
+             (f"step {arm_status.get('stop_step')}: non-finite {arm_status.get('stop_where')}" if st == "NAN" else
+              f"the candidate's arm ended with {st} and gave no reason")}  # a reason is never empty
         if st == "NAN":
             v.update(step=arm_status.get("stop_step"), where=arm_status.get("stop_where"))
         return v
@@ -128,7 +129,10 @@ def combine(per_opt: dict) -> dict:
     wrong = [o for o, v in per_opt.items() if (v.get("lockstep") or {}).get("wrong")]
     harmed = [o for o, v in per_opt.items() if v.get("training_harmed")]
     differs = [o for o, v in per_opt.items() if v["verdict"] == "DIVERGED"]
-    if verdict in ("NAN", "TIMEOUT", "CRASH", "ERROR"):
+    if verdict == "ERROR":  # the harness's own arms: say which and why, not "the candidate's run ended with ERROR"
+        first = next(v for v in per_opt.values() if v["verdict"] == "ERROR")
+        case, words = "failed", f"no verdict: {first.get('detail') or 'a harness arm failed'}"
+    elif verdict in ("NAN", "TIMEOUT", "CRASH"):
         case, words = "failed", f"the candidate's run ended with {verdict}"
     elif harmed:
         case = "harms-training"

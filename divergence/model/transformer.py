@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..slots.registry import Kernels
-from ..slots.rope import inv_freq_for
 from .ops import EmbedRMSNorm, call_forward_slot, observed_rmsnorm
+from .rope_scaling import model_inv_freq
 
 PARAM_GROUPS = ("embedding", "norms", "attention", "mlp", "head")
 
@@ -39,9 +39,9 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg, kernels):
         super().__init__()
-        self.n_heads, self.hd = cfg.n_heads, cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_heads, self.hd = cfg.n_heads, cfg.head_size  # n_heads x hd may differ from d_model (Gemma-2)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.n_heads * self.hd, bias=False)
+        self.proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=False)
         self.softcap, self.kernels = cfg.attn_softcap, kernels
 
     def forward(self, x, position_ids, inv_freq):
@@ -56,7 +56,7 @@ class Attention(nn.Module):
             scores = scores.masked_fill(mask, float("-inf"))
             probs = call_forward_slot(self.kernels, "attn_softcap", scores, float(self.softcap))
             y = probs.to(v.dtype) @ v
-        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+        return self.proj(y.transpose(1, 2).reshape(B, S, self.n_heads * self.hd))
 
 
 class MLP(nn.Module):
@@ -93,7 +93,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg, kernels) for _ in range(cfg.n_layers)])
         self.final_norm = Norm(cfg.d_model, cfg.norm_eps, kernels)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
-        self.register_buffer("inv_freq", inv_freq_for(cfg.d_model // cfg.n_heads, cfg.rope_theta), persistent=False)
+        self.register_buffer("inv_freq", model_inv_freq(cfg), persistent=False)
         self.body = self._body  # compile_body replaces it
         self.reset_parameters()
 

@@ -2,7 +2,7 @@
 
 Layout (written by `divergence ab`): `plan.json`, `verdict.json`, `drift.json`, `<optimizer>/<arm>/arm.json` and
 `metrics.jsonl` (+ `snapshots/`, `evals/`). Distances of each arm from its reference are recomputed here with the
-verdict's own code (`ab.compare.distances`), so the plotted curves are exactly what the verdict judged.
+verdict's own code (`detect.distances.distances`), so the plotted curves are exactly what the verdict judged.
 """
 from __future__ import annotations
 

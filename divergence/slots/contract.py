@@ -6,7 +6,7 @@ form by the loader, so every other layer sees one calling convention.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -31,6 +31,12 @@ class Contract:
     # Whether this is a backward kernel (its outputs are gradients) or a forward op (the reference's VJP at the
     # same inputs carries gradients through a candidate's forward).
     kind: str = "forward"
+    # Every input and output by name -> (dtype name, axes): the axes by the names of divergence/shapes.py
+    # (`hidden`, `vocab`, `batch`, `seq`, ...) or literal sizes, () for a scalar. A SOL-ExecBench definition maps
+    # onto the slot through it (candidates/definition.py); None: the slot takes no definitions yet.
+    axes: Optional[dict] = None
+    # Context keys and the axis each one is (fused_embed_rmsnorm: vocab_size is the `vocab` axis).
+    context_axes: dict = field(default_factory=dict)
 
 
 def as_tuple(out) -> tuple:

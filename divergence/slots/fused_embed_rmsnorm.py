@@ -85,4 +85,14 @@ CONTRACT = Contract(
     ],
     context=("vocab_size",),
     kind="backward",
+    axes={
+        "grad_output": ("bfloat16", ("batch", "seq", "hidden")),
+        "input_ids": ("int64", ("batch", "seq")),
+        "hidden_states_fp32": ("float32", ("batch", "seq", "hidden")),
+        "rstd": ("float32", ("batch", "seq", 1)),
+        "norm_weight": ("bfloat16", ("hidden",)),
+        "grad_embed_weight": ("bfloat16", ("vocab", "hidden")),
+        "grad_norm_weight": ("bfloat16", ("hidden",)),
+    },
+    context_axes={"vocab_size": "vocab"},
 )

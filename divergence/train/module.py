@@ -8,6 +8,7 @@ import torch
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs
 from .optim import build_optimizer, lr_lambda
+from .width import param_groups
 
 
 class ArmModule(pl.LightningModule):
@@ -26,7 +27,7 @@ class ArmModule(pl.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.recipe.optimizers[self.opt_name]
-        opt = build_optimizer(self.opt_name, self.model.parameters(), cfg)
+        opt = build_optimizer(self.opt_name, param_groups(self.model, cfg.lr, self.recipe.model), cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, self.recipe.train.steps))
         return [opt], [sched]
 

@@ -45,7 +45,8 @@ ZOO: dict = {
     "embed_hardcoded_hidden": ZooEntry(
         "fused_embed_rmsnorm", "bad",
         "hard-coded hidden=4096 (as real SOL-ExecBench submissions do): refuses any other width",
-        "the first call: a one-line finding 'candidate only supports hidden=4096'"),
+        "the first call: a one-line finding 'candidate only supports hidden=4096'; the probe without declared "
+        "shapes: NEEDS-SHAPES, naming --shape hidden=4096"),
     "embed_sort_segment": ZooEntry(
         "fused_embed_rmsnorm", "good", "sort the ids, then segment-reduce in fp32 (deterministic)", ""),
     "embed_fp64_accum": ZooEntry(

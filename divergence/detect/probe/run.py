@@ -24,7 +24,8 @@ from ...errors import UserError
 from ..rule import RATIO
 from ...slots.contract import as_tuple, oracle_inputs
 from . import checks
-from .inputs import family_seed, families as slot_families
+from . import shapes as shaped
+from .inputs import family_seed
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
 REPEATS = 3  # runs of one input for the determinism check
@@ -48,12 +49,13 @@ def resolve_device(device: Optional[str]) -> str:
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
-              echo: Optional[Callable] = None) -> dict:
+              echo: Optional[Callable] = None, shapes: Optional[dict] = None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
     Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
-    seed is chosen, so a run that dies midway can still be repeated.
+    seed is chosen, so a run that dies midway can still be repeated. `shapes`: the declared shapes
+    (probe/shapes.py): the families run there, and a failure only elsewhere is a generality note, not a finding.
     """
     from ...candidates.resolve import resolve
     from ...slots import SLOTS
@@ -62,14 +64,14 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     contract = SLOTS[slot]
     device = resolve_device(device)
     seed = fresh_seed() if seed is None else int(seed)
-    fams, notes = slot_families(slot, device)
+    fams, notes, others = shaped.families(slot, device, shapes)
     if only:
         unknown = sorted(set(only) - {f.name for f in fams})
         if unknown:
             raise UserError(f"unknown input famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} for "
                             f"{slot}; known: {', '.join(f.name for f in fams)}")
         fams = [f for f in fams if f.name in only]
-    budget = BUDGET_S[device] if budget_s is None else budget_s
+    budget = shaped.budget(device, shapes, BUDGET_S[device]) if budget_s is None else budget_s
     destination = impl.meta.get("convention") == "destination"
     t0 = time.perf_counter()
     if echo:
@@ -87,6 +89,8 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         torch.set_num_threads(threads)
     wall = time.perf_counter() - t0
     findings = _merge_exceptions(findings)
+    verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
+    notes = list(notes) + more
     findings.sort(key=lambda f: checks.CHECKS.index(f["check"]))
     result = {
         "slot": slot,
@@ -95,7 +99,8 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         "expected": _expected(candidate_spec),
         "seed": seed,
         "device": device,
-        "verdict": "FAIL" if findings else "PASS",
+        "verdict": verdict,
+        "shapes": dict(shapes or {}),
         "findings": findings,
         "families": ran,
         "notes": notes,
@@ -212,9 +217,18 @@ def _prepared(contract, fam, seed, device, again=False) -> tuple:
         orc = as_tuple(contract.oracle(*oracle_inputs(contract, case.inputs), **case.context))
         ref = as_tuple(contract.reference(*case.inputs, **case.context))
     _PREPARED[key] = (case, orc, ref)
-    while len(_PREPARED) > _KEEP:
+    while len(_PREPARED) > _KEEP or (len(_PREPARED) > 1 and _held_bytes() > _KEEP_BYTES):
         _PREPARED.popitem(last=False)
     return case, orc, ref
+
+
+_KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
+#                        oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
+
+
+def _held_bytes() -> int:
+    return sum(x.numel() * x.element_size() for case, orc, ref in _PREPARED.values()
+               for x in (*case.inputs, *orc, *ref) if isinstance(x, torch.Tensor))
 
 
 def _clone(inputs) -> tuple:
@@ -286,6 +300,8 @@ def format_table(result: dict) -> str:
 def verdict_line(result: dict) -> str:
     n, fams = len(result["findings"]), len(result["families"])
     where = f"{result['wall_s']:.1f} s, seed {result['seed']}; {result.get('path', 'probe.json')}"
+    if result["verdict"] == shaped.NEEDS_SHAPES:
+        return f"{shaped.NEEDS_SHAPES}: the candidate does not run at the contract's shapes ({where})"
     if not n:
         return f"PASS: no findings in {fams} input families ({where})"
     kinds = sorted({f["check"] for f in result["findings"]}, key=checks.CHECKS.index)
@@ -309,15 +325,19 @@ def default_candidate(slot: str, device: str = "cpu") -> str:
     return f"zoo:{name}"
 
 
-def command(kernel: str, candidate: Optional[str], seed: Optional[int], out: Optional[str], device: Optional[str],
-            only: Optional[list] = None) -> int:
+def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int], out: Optional[str],
+            device: Optional[str], only: Optional[list] = None, shape: Optional[str] = None,
+            definition: Optional[str] = None, definitions: Optional[str] = None) -> int:
     """`divergence probe`: prints the seed, the findings table, notes and a last line with the verdict; returns
-    0 (pass) or 1 (findings). Bad input raises UserError (exit 2)."""
+    0 (pass), 1 (findings) or 2 (NEEDS-SHAPES: no numerical verdict). Bad input raises UserError (exit 2)."""
+    echo = lambda s: print(s, flush=True)  # noqa: E731
+    kernel, shapes, _, _ = shaped.declared_for(kernel, candidate, shape, definition, definitions,
+                                               device=resolve_device(device), echo=echo)
     spec = candidate or default_candidate(kernel, resolve_device(device))
     if out is None:
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=lambda s: print(s, flush=True))
+    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=echo, shapes=shapes)
     print(format_table(res))
     for n in res["notes"]:
         print(f"note: {n}")
@@ -325,4 +345,4 @@ def command(kernel: str, candidate: Optional[str], seed: Optional[int], out: Opt
         e = res["expected"]
         print(f"zoo catalogue: expected {e['verdict']}" + (f" (caught by: {e['caught_by']})" if e["caught_by"] else ""))
     print(verdict_line(res))
-    return 0 if res["verdict"] == "PASS" else 1
+    return {"PASS": 0, shaped.NEEDS_SHAPES: 2}.get(res["verdict"], 1)

@@ -1,0 +1,62 @@
+"""Did the harness's own arms train? One clear line when they did not, never an empty reason.
+
+A reference arm that ends in NaN, or with its loss above where it started, judges nothing: every distance would be
+measured from a broken run. It is reported per optimizer as ERROR with which optimizer, which step and what to
+change (usually the learning rate for the model's width: see train/width.py). The issue that asked for this saw
+`harness arm(s) sgd/reference, sgd/null-1, sgd/null-2 did not finish: ; ;` (SGD at lr 0.5, width 4096).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..train.metrics import read_metrics
+
+
+def arm_reason(key: str, st: Optional[dict]) -> str:
+    """Why one arm did not finish, in words: never empty."""
+    if not st:
+        return f"{key} never wrote arm.json (it did not start)"
+    status = st.get("status") or "no status"
+    if st.get("error"):
+        return f"{key} {status}: {st['error']}"
+    if status == "NAN":
+        return f"{key} went to NaN at step {st.get('stop_step')} ({st.get('stop_where') or 'non-finite value'})"
+    return f"{key} ended with {status}"
+
+
+def _fix(recipe, opt: str) -> str:
+    lr = recipe.optimizers[opt].lr
+    m = recipe.model
+    width = f"width {m.d_model}" + (f", rates scaled from base_width {m.base_width}" if m.base_width else "")
+    return (f"lower optimizers.{opt}.lr (now {lr:g}, {width}), e.g. to {lr / 10:g}"
+            + ("" if m.base_width else ", or set model.base_width to the width it was tuned at"))
+
+
+def reference_problem(recipe, opt: str, st: Optional[dict], ref_dir: Path) -> Optional[str]:
+    """A line when `opt`'s reference arm ended in NaN or with its loss above its start; None when it trained."""
+    if not st:
+        return None
+    if st.get("status") == "NAN":
+        return (f"{opt}: the reference arm itself went to NaN at step {st.get('stop_step')} "
+                f"({st.get('stop_where') or 'non-finite value'}), so nothing can be judged against it: "
+                + _fix(recipe, opt))
+    if st.get("status") != "OK" or not (Path(ref_dir) / "metrics.jsonl").exists():
+        return None
+    rows = [r for r in read_metrics(Path(ref_dir) / "metrics.jsonl") if "loss" in r]
+    if len(rows) < 2:
+        return None
+    steps = np.array([r["step"] for r in rows])
+    loss = np.array([r["loss"] for r in rows], dtype=float)
+    k = max(1, len(loss) // 50)  # the verdict's smoothing (steps / 50)
+    smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+    start, end = float(smooth[0]), float(smooth[-1])
+    if not (np.isfinite(end) and end <= start):
+        below = np.nonzero(np.nan_to_num(smooth, nan=np.inf) <= start)[0]  # smooth[0] == start: never empty
+        first = steps[min(len(steps) - 1, below[-1] + 1 + k - 1)]  # smooth[i] ends at step i + k - 1
+        return (f"{opt}: the reference arm did not train: its loss went from {start:.4f} to {end:.4f} at step "
+                f"{int(steps[-1])} (above its start from step {int(first)} on), so nothing can be judged against "
+                "it: " + _fix(recipe, opt))
+    return None
