@@ -289,7 +289,7 @@ def _shaped(raw: dict, where: str, base: Optional[Path]) -> dict:
         shapes = check_shapes(raw["shapes"], f"{_j(where)}shapes")
         if not isinstance(raw.get("model") or {}, dict) or not isinstance(raw.get("data") or {}, dict):
             return raw  # the typed build names the malformed mapping
-        raw["model"], raw["data"] = model_overrides(raw.get("model"), raw.get("data"), shapes)
+        raw["model"], raw["data"] = model_overrides(raw.get("model"), raw.get("data"), shapes, ModelConfig())
     return raw
 
 

@@ -95,7 +95,7 @@ def head_size_for(width: int, old_head: int) -> int:
     return _divisor_at_most(width, target)
 
 
-def model_overrides(model: dict, data: dict, shapes: dict) -> tuple:
+def model_overrides(model: dict, data: dict, shapes: dict, default) -> tuple:
     """The recipe's raw `model` and `data` mappings with the declared model axes applied: (model, data).
 
     - hidden: d_model; the head size is re-derived (head_size_for) unless `head_dim` is declared; d_ff keeps its
@@ -103,11 +103,9 @@ def model_overrides(model: dict, data: dict, shapes: dict) -> tuple:
       recipe's learning rates were written for (train/width.py scales them).
     - vocab: model.vocab_size; a vocabulary smaller than the recipe's tokenizer trains a tokenizer of that size
       (data.vocab_size), a larger one leaves rows unused.
+    `default`: a ModelConfig() for the keys the recipe leaves out (passed in: recipe.py imports this module).
     """
-    from .recipe import ModelConfig
-
     model, data = dict(model or {}), dict(data or {})
-    default = ModelConfig()
     width0 = int(model.get("d_model", default.d_model))
     heads0 = int(model.get("n_heads", default.n_heads))
     head0 = int(model.get("head_dim") or width0 // heads0)

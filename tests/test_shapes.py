@@ -264,13 +264,13 @@ def test_declared_shapes_set_the_model_width_heads_ff_and_vocabulary():
     assert r.model.vocab_size == r.data.vocab_size == 300 and r.model.d_model == 64 and r.model.base_width is None
     r = load_recipe("small", {"shapes": {"hidden": 256, "head_dim": 64, "ff": 512}})
     assert (r.model.n_heads, r.model.head_size, r.model.d_ff) == (4, 64, 512)
-    with pytest.raises(UserError, match=r"recipes/small.yaml: shapes: unknown axis 'width'"):
+    with pytest.raises(UserError, match=r"recipes/small.yaml with shapes.width=4096: shapes: unknown axis 'width'"):
         load_recipe("small", {"shapes": {"width": 4096}})
 
 
 def test_learning_rates_scale_with_width_for_hidden_matrices_only():
     from divergence.model import build_model
-    from divergence.slots import build_kernels
+    from divergence.candidates.resolve import build_kernels
     from divergence.train.width import param_groups
 
     r = load_recipe("tiny", {"shapes": {"hidden": 256, "vocab": 1024}})
@@ -458,7 +458,7 @@ def test_llama3_rope_scaling_slows_long_wavelengths_only():
 ])
 def test_config_recipes_train_when_shrunk(name, overrides):
     from divergence.model import build_model
-    from divergence.slots import build_kernels
+    from divergence.candidates.resolve import build_kernels
 
     r = load_recipe(name, overrides)
     model = build_model(r.model, 1024, build_kernels({}, {"vocab_size": 1024}), 0)
