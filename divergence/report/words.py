@@ -87,7 +87,10 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
             s += " Loss or predictions are affected, not only the weights."
         else:
             s += " Loss and predictions stayed within the null range: so far the damage is in the weights."
-        return s
+        if v.get("too_few_points"):
+            s += (f" Not judged, fewer compared points than the window: "
+                  f"{', '.join(metric_words(m) for m in v['too_few_points'])}.")
+        return s + widened
     if verdict == "WRONG":
         return (f"Training stayed within {rule.get('margin', 3):g}x the distance the null arms reached, but the op "
                 f"itself is wrong on this run's live inputs: {v.get('detail') or 'see the op check'}.")
