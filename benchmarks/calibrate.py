@@ -85,9 +85,12 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", help="comma-separated (default: the recipe's)")
     ap.add_argument("--nulls", type=int, help="override ab.nulls")
     ap.add_argument("--extra-nulls", type=int, default=1, help="null-K candidates per slot past the recipe's nulls")
-    ap.add_argument("--softcap", type=float, help="model.attn_softcap override (default 0.5 on tiny, else the recipe's)")
+    ap.add_argument("--softcap", type=float,
+                    help="model.attn_softcap override (default 0.5 on tiny, else the recipe's)")
     ap.add_argument("--only", choices=("good", "bad"), help="run only the known-good or the known-bad cells")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--resume", metavar="OUT", help="continue a calibration cut short (e.g. by a time limit): the "
+                                                    "soak in OUT/soak is resumed, finished arms kept, then judged")
     ap.add_argument("--wandb", action="store_true", help="log the soak to wandb (off by default)")
     args = ap.parse_args(argv)
 
@@ -112,15 +115,24 @@ def main(argv=None) -> int:
     cap = args.softcap if args.softcap is not None else (0.5 if recipe.name == "tiny" else None)
     if cap is not None:
         overrides.setdefault("model", {})["attn_softcap"] = cap
-    out = Path(args.out or f"results/calibrate-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    soak = {"name": "calibrate", "recipe": args.recipe, "overrides": overrides, "seeds": _seeds(args.seeds),
-            "candidates": good + bad}
-    if args.optimizers:
-        soak["optimizers"] = args.optimizers.split(",")
-    (out / "calibrate-soak.yaml").write_text(json.dumps(soak, indent=1) + "\n")  # JSON is YAML
+    wandb_flag = [] if args.wandb else ["--no-wandb"]
     t0 = time.time()
-    cli(["soak", str(out / "calibrate-soak.yaml"), "--out", str(out / "soak")] + ([] if args.wandb else ["--no-wandb"]))
+    if args.resume:
+        out = Path(args.resume)
+        soak = json.loads((out / "calibrate-soak.yaml").read_text())
+        bad_specs = set(json.loads((out / "bad.json").read_text()))
+        bad = [c for c in soak["candidates"] if c["candidate"] in bad_specs]
+        cli(["soak", "--resume", str(out / "soak")] + wandb_flag)
+    else:
+        out = Path(args.out or f"results/calibrate-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        out.mkdir(parents=True, exist_ok=True)
+        soak = {"name": "calibrate", "recipe": args.recipe, "overrides": overrides, "seeds": _seeds(args.seeds),
+                "candidates": good + bad}
+        if args.optimizers:
+            soak["optimizers"] = args.optimizers.split(",")
+        (out / "calibrate-soak.yaml").write_text(json.dumps(soak, indent=1) + "\n")  # JSON is YAML
+        (out / "bad.json").write_text(json.dumps([c["candidate"] for c in bad]) + "\n")
+        cli(["soak", str(out / "calibrate-soak.yaml"), "--out", str(out / "soak")] + wandb_flag)
     wall = time.time() - t0
 
     cells = []
@@ -151,7 +163,9 @@ def main(argv=None) -> int:
         print(f"known-bad {c} seed {s}: {v['verdict']} ({v.get('case')}); caught by the A/B at step {st['ab']}, "
               f"by the lockstep check at step {st['lockstep']}")
     print(f"\nwall {wall:.0f} s for {len(cells)} A/Bs ({out})")
-    (out / "calibrate.json").write_text(json.dumps({
+    from divergence.train.metrics import dumps
+
+    (out / "calibrate.json").write_text(dumps({
         "known_good": n, "false_positives": len(fp), "interval_95": [lo, hi], "inconclusive": len(unsure),
         "errors": len(errors), "known_bad": [{"candidate": c, "seed": s, "verdict": v["verdict"], **caught(v)}
                                              for k, c, s, v in bads],
