@@ -204,7 +204,7 @@ def ab_signal(per_opt: dict) -> dict:
     moved = {o: v for o, v in per_opt.items() if v.get("moved") and not v.get("harmed")}
     if harmed:
         return _sig("FINDING", "training harmed: " + "; ".join(
-            f"{o}: {', '.join(v['harmed'])} from step {v['first_step']}" for o, v in harmed.items()))
+            f"{o}: {', '.join(v['harmed'])} (first flag at step {v['first_step']})" for o, v in harmed.items()))
     if moved:
         return _sig("FINDING", "weights or gradients moved, loss inside the envelope: " + "; ".join(
             f"{o}: {', '.join(v['moved'])} from step {v['first_step']}" for o, v in moved.items()))
