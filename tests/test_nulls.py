@@ -56,12 +56,12 @@ def test_ab_with_four_nulls(tmp_path):
 
     recipe = tmp_path / "tiny4.yaml"
     text = (Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml").read_text()
-    recipe.write_text(text.replace("nulls: 2 ", "nulls: 4 "))
+    recipe.write_text(text.replace("nulls: 2 ", "nulls: 4 ").replace("steps: 40\n", "steps: 12\n"))
     out = tmp_path / "r4"
     code = main(["ab", "--kernel", "fused_embed_rmsnorm", "--candidate", "zoo:embed_fp64_accum", "--optimizers",
                  "sgd", "--recipe", str(recipe), "--out", str(out), "--no-wandb", "--no-probe"])
     v = json.loads((out / "verdict.json").read_text())
-    assert v["rule"]["nulls"] == 4
+    assert v["rule"]["nulls"] == 4 and v["recipe"]["train"]["steps"] == 12
     assert all(v["arms"][f"sgd/null-{k}"]["status"] == "OK" for k in range(1, 5)), v["arms"]
     cal = v["optimizers"]["sgd"]["calibration"]
     assert cal["nulls"] == 4 and [x["null"] for x in cal["loo"]] == [f"null-{k}" for k in range(1, 5)]
