@@ -438,7 +438,9 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
     log(format_table(res))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+        from divergence.train.metrics import dumps  # strict JSON: a non-finite rate is written as "nan"/"inf"
+
+        Path(out).write_text(dumps(res, indent=1) + "\n")
         log(f"written: {out}")
     return res
 

@@ -58,33 +58,79 @@ def test_lockstep_sees_a_forward_slot_too(tmp_path):
 
 
 
-def test_several_calls_in_one_step_keep_the_worst_error_and_the_last_of_the_rest():
-    """One rmsnorm per layer: the step's row holds each error's maximum over the calls."""
+def _rmsnorm_lockstep(cand="null-1"):
     from types import SimpleNamespace
 
     import numpy as np
-    import torch
 
-    from divergence.detect.lockstep import Lockstep
     from divergence.candidates.resolve import build_kernels
-    from divergence.slots import rmsnorm
+    from divergence.slots.registry import Impl
 
     rec = SimpleNamespace(current_step=0, lockstep=None)
-    kernels = build_kernels({"rmsnorm": "null-1"}, {"vocab_size": 64})
-    lk = Lockstep(load_recipe("tiny"), "rmsnorm", kernels, SimpleNamespace(rank=np.arange(64)), rec)
+    if callable(cand):
+        cand = Impl(slot="rmsnorm", name="bad-on-fp32", fn=cand, role="candidate")
+    kernels = build_kernels({"rmsnorm": cand}, {"vocab_size": 64})
+    return Lockstep(load_recipe("tiny"), "rmsnorm", kernels, SimpleNamespace(rank=np.arange(64)), rec), kernels
+
+
+def _two_layer_calls():
+    """Two rmsnorm calls of one step, as two layers would make them: a bf16 one (the reference's own error about
+    1.7e-3) and an fp32 one (about 1e-7), with a candidate exact on the first and 1e-5 off on the second: far over
+    2x its own call's reference error, far under the other call's. Returns (check, kernels, [(inputs, the
+    candidate's outputs)])."""
+    import torch
+
+    from divergence.slots import rmsnorm
+
+    def cand(x, weight, eps):
+        y = rmsnorm.reference(x, weight, eps)
+        if x.dtype == torch.float32:
+            y = y * (1 + 1e-5 * torch.randn(y.shape, generator=torch.Generator().manual_seed(0)))
+        return y
+
     calls = []
-    # Chosen so that neither rule can pass for the other: the largest error is not the last call's, and the last
-    # call's cosine is not the largest.
-    for seed, scale in ((2, 1.0), (0, 0.01), (1, 1.0)):
-        x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(seed), scale=scale, dtype=torch.bfloat16)
-        calls.append(((x, w, eps), kernels.impls["rmsnorm"].fn(x, w, eps)))
-    alone = [lk._check(i, (o,)) for i, o in calls]
+    for seed, dt in ((1, torch.bfloat16), (2, torch.float32)):
+        x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(seed), dtype=dt)
+        calls.append(((x, w, eps), cand(x, w, eps)))
+    lk, kernels = _rmsnorm_lockstep(cand)
+    return lk, kernels, calls
+
+
+def test_several_calls_in_one_step_are_judged_call_by_call():
+    """One rmsnorm per layer: each call's candidate error is judged against that same call's reference error; the
+    step keeps the whole row of the worst call by that rule and the geometric mean of the calls' ratios."""
+    import math
+
+    lk, kernels, calls = _two_layer_calls()
+    alone = [lk._check(i, (o,)).tolist() for i, o in calls]
     lk.mutation = None
     for i, o in calls:
         kernels("rmsnorm", *i)  # the candidate's call, watched: the check's copy of its inputs, then the tap
     got = dict(zip(lk.keys, lk.rows[0].tolist()))
+    score = lk.keys.index("lockstep/score")
+    worst = max(alone, key=lambda a: a[score])
     for j, k in enumerate(lk.keys):
-        want = max(a[j] for a in alone) if "err" in k else alone[-1][j]
-        assert got[k] == pytest.approx(float(want), rel=1e-12), k
-    err, cos = lk.keys.index("lockstep/err_reference"), lk.keys.index("lockstep/cos")
-    assert max(a[err] for a in alone) > alone[-1][err] and max(a[cos] for a in alone) > alone[-1][cos]
+        if k in ("lockstep/ratio", "lockstep/calls"):
+            assert got[k] == pytest.approx(sum(a[j] for a in alone), rel=1e-12), k
+        else:
+            assert got[k] == pytest.approx(worst[j], rel=1e-12), k
+    out = lk.collect_steps([0])[0]
+    assert out["lockstep/calls"] == 2
+    assert out["lockstep/ratio"] == pytest.approx(math.exp(sum(a[lk.keys.index("lockstep/ratio")] for a in alone) / 2))
+
+
+def test_per_call_judgement_catches_one_bad_call_among_good_ones():
+    """The fp32 call is wrong by its own reference; worst candidate error against worst reference error (of the
+    bf16 call) would have passed the step."""
+    from divergence.detect.rule import within
+
+    lk, kernels, calls = _two_layer_calls()
+    alone = [dict(zip(lk.keys, lk._check(i, (o,)).tolist())) for i, o in calls]
+    lk.mutation = None
+    for i, o in calls:
+        kernels("rmsnorm", *i)  # the candidate's call, watched
+    row = lk.collect_steps([0])[0]
+    assert row["lockstep/wrong"] == 1.0, row
+    c = max(a["lockstep/err_candidate"] for a in alone)
+    r = max(a["lockstep/err_reference"] for a in alone)
+    assert within(c, r, max(a["lockstep/floor"] for a in alone))  # the old worst-vs-worst rule: not wrong

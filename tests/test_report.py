@@ -194,3 +194,14 @@ def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch):
     report_results._CACHE.clear()  # a fresh read of the folder, as `report` then wandb do
     write_report(results)
     assert len(calls) == first
+
+
+def test_the_page_and_wandb_show_every_signal(results):
+    """The three signals of verdict.json, each with its word and reason, on the page (issue 19)."""
+    v = json.loads((results / "verdict.json").read_text())
+    text = (results / "report.html").read_text()
+    assert set(v["signals"]) == {"ab", "lockstep", "probe"}
+    for name, sig in v["signals"].items():
+        assert html.escape(words.SIGNAL_NAMES[name]) in text
+        assert html.escape(sig["reason"]) in text, name
+    assert f"Exit code {v['exit_code']}" in text

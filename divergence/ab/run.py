@@ -2,7 +2,8 @@
 
 Results folder: `plan.json` (what was asked), `<optimizer>/<arm>/` per arm, `verdict.json` (schema in README.md),
 `drift.json` (per-bucket drift tables and per-row drift), then the report and wandb runs when available.
-Exit code: 0 PASS, 1 divergence found (DIVERGED, NAN, TIMEOUT or CRASH of the candidate), 2 error.
+Exit code (detect/verdict.exit_code): 0 PASS, 1 a finding (training harmed, op wrong, NaN, crash or hang of the
+candidate), 3 weights or gradients moved only, 2 error or INCONCLUSIVE.
 """
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ def cmd_ab(args, publish=None) -> int:
         except Exception as e:  # the arms are trained: judge them all the same, then fail as a harness error
             probe_error = f"the probe failed: {type(e).__name__}: {e}".splitlines()[0][:500]
     t_judge = time.time()
-    result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe)
+    result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error)
     result["timings"] = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}
     if probe_error:
         result["probe_error"] = probe_error
@@ -161,8 +162,7 @@ def cmd_ab(args, publish=None) -> int:
         publish(out, args, result)
     if probe_error:
         print(f"error: {probe_error}", file=sys.stderr)
-        return 2
-    return {"PASS": 0, "ERROR": 2}.get(result["verdict"], 1)
+    return result["exit_code"]
 
 
 def _preflight(slot, cand, out, shapes=None):
@@ -180,7 +180,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None) -> dict:
+def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None) -> dict:
     buckets = compare.bucket_rows(corpus.rank, vocab)
     smooth = max(1, recipe.train.steps // 50)
     per_opt, drift_tables = {}, {}
@@ -201,24 +201,29 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         null_d = [compare.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = compare.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
             if cand_st.get("status") == "OK" else {}
-        metrics = verdict.judge_arm(cand_d, null_d, recipe.ab.margin, recipe.ab.window) if cand_d else []
+        cal = verdict.calibrate(null_d, recipe.ab.margin, recipe.ab.window)
+        metrics = verdict.judge_arm(cand_d, null_d, cal["margin"], recipe.ab.window) if cand_d else []
         v = verdict.optimizer_verdict(cand_st, metrics)
         v["metrics"] = metrics
+        v["calibration"] = cal
         v["null_spread"] = _null_spread(null_d)
         v["lockstep"] = cand_st.get("lockstep")  # the check rides in the candidate's own arm
         per_opt[opt] = v
         drift_tables[opt] = _drift_table(cand_d, null_d, corpus, buckets)
     write_json(out / "drift.json", drift_tables)
-    both = verdict.combine(per_opt)
+    both = verdict.combine(per_opt, probe, lockstep_enabled=recipe.ab.lockstep_every > 0,
+                           probe_enabled=probe is not None or probe_error is not None, probe_error=probe_error)
     from ..train.arm import environment, resolve_device
 
     return {
         "schema": SCHEMA_VERSION, "verdict": both["verdict"], "case": both["case"], "summary": both["summary"],
+        "signals": both["signals"], "exit_code": verdict.exit_code(both),
         "kernel": slot,
         "candidate": {"name": impl.name, "origin": impl.origin, "sha256": impl.sha256},
         "recipe": recipe.to_dict(), "optimizers": per_opt,
         "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "floors": verdict.FLOORS,
-                 "smooth_steps": smooth, "nulls": recipe.ab.nulls},
+                 "smooth_steps": smooth, "nulls": recipe.ab.nulls, "widen": verdict.WIDEN,
+                 "effect_size": "candidate distance / max(null envelope, floor)"},
         "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"]),
                                              "notes": probe.get("notes", [])},
         # shared_from: the arm was trained once for several candidates, or in an earlier run (ab/share.py)
@@ -261,5 +266,7 @@ def _print_table(result: dict):
     print(f"{'optimizer':<10} {'verdict':<9} detail")
     for opt, v in result["optimizers"].items():
         print(f"{opt:<10} {v['verdict']:<9} {v.get('detail', '')}")
+    for name, sig in result.get("signals", {}).items():
+        print(f"signal {name:<8} {sig['verdict']:<12} {sig['reason']}")
     print(f"overall: {result['verdict']}: {result['summary']}  ({result['kernel']} <- {result['candidate']['name']})")
     sys.stdout.flush()

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..errors import CandidateError
 from ..slots import SLOTS
-from ..slots.nulls import NULLS
+from ..slots.nulls import null_impl
 from ..slots.registry import Impl, Kernels, reference_impl
 from .loader import load_candidate
 
@@ -19,13 +19,10 @@ def resolve(slot: str, spec: Optional[str]) -> Impl:
     if spec in (None, "", "reference"):
         return reference_impl(SLOTS[slot])
     if spec.startswith("null-"):
-        nulls = NULLS[slot]
         try:
-            k = int(spec[5:])
-            fn, how = nulls[k - 1]
-        except (ValueError, IndexError):
-            raise CandidateError(f"{slot}: unknown null {spec!r}; known: "
-                                 + ", ".join(f"null-{i + 1}" for i in range(len(nulls)))) from None
+            fn, how = null_impl(slot, int(spec[5:]))
+        except ValueError:
+            raise CandidateError(f"{slot}: unknown null {spec!r}; nulls are null-1, null-2, ... (any k >= 1)") from None
         return Impl(slot=slot, name=spec, fn=fn, role="null", meta={"doc": how})
     return load_candidate(slot, spec)
 

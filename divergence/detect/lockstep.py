@@ -9,11 +9,20 @@ error, with an absolute floor near the output dtype's rounding). The reference a
 at all, so they can be shared by every candidate of a soak and cached (ab/share.py).
 
 Per checked step it adds to the arm's metrics: `lockstep/err_candidate`, `lockstep/err_reference` (relative L2
-error against the oracle, worst output and worst call of the step), `lockstep/cos` (cosine similarity with the
-oracle), and for embedding-gradient slots `lockstep/<bucket>/err_candidate|err_reference|norm_ratio` per
-token-frequency bucket; for `attn_softcap`, `lockstep/max_abs_input` (error as a function of input magnitude).
+error against the oracle, worst output; both of the same call, the step's worst call by the rule), `lockstep/cos`
+(cosine similarity with the oracle), `lockstep/score` (that call's err_candidate / (RATIO x err_reference + floor):
+above 1 breaks the rule), `lockstep/ratio` (err_candidate / err_reference, geometric mean over the step's calls:
+what the whole-record rule reads), `lockstep/calls`, and for embedding-gradient slots
+`lockstep/<bucket>/err_candidate|err_reference|norm_ratio` per token-frequency bucket; for `attn_softcap`,
+`lockstep/max_abs_input` (error as a function of input magnitude).
+
+Judgement (rule.py): per call, each call's candidate error against that same call's reference error (one rmsnorm
+per layer: never the worst candidate call against the worst reference call of another layer); per step, WINDOW
+consecutive steps over the limit; over the whole record, the median per-step ratio (rule.record_judgement).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -21,7 +30,7 @@ import torch
 from ..slots import SLOTS
 from ..slots.contract import as_tuple, oracle_inputs
 from .buckets import bucket_rows
-from .rule import RATIO, diff64 as _diff, rel_error as _rel, rounding_floor, within
+from .rule import RATIO, diff64 as _diff, record_judgement, rel_error as _rel, rounding_floor
 
 WINDOW = 3  # consecutive checked steps over the limit before "wrong": one unlucky batch is not a verdict
 
@@ -54,11 +63,14 @@ class Lockstep:
             ends = np.cumsum([len(r) for r in rows.values()]).tolist()
             self.bounds = tuple(zip([0] + ends[:-1], ends))
             keys += [f"lockstep/{b}/{m}" for b in rows for m in ("err_candidate", "err_reference", "norm_ratio")]
-        keys += ["lockstep/err_candidate", "lockstep/err_reference", "lockstep/floor"]
+        keys += ["lockstep/err_candidate", "lockstep/err_reference", "lockstep/floor", "lockstep/score",
+                 "lockstep/ratio", "lockstep/calls"]
         if self.slot == "attn_softcap":
             keys.append("lockstep/max_abs_input")
         self.keys = keys  # the order of each step's packed float64 vector
-        self.is_err = torch.tensor(["err" in k for k in keys])
+        # Summed over a step's calls (the geometric-mean ratio's log and the count); the rest come from its worst call.
+        self.is_sum = torch.tensor([k in ("lockstep/ratio", "lockstep/calls") for k in keys])
+        self.i_score = keys.index("lockstep/score")
         self.rows = {}  # step -> packed (len(keys),) float64 tensor on the device
         self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
         self.mutation = None  # device flags, one per tensor input: did the candidate write into it (no sync per step)
@@ -103,11 +115,13 @@ class Lockstep:
             self.error = f"step {step}: {type(e).__name__}: {e}".splitlines()[0][:300]
             return
         prev = self.rows.get(step)
-        # Several calls per step (e.g. one rmsnorm per layer): keep the worst of each error, the last of the rest.
+        # Several calls per step (e.g. one rmsnorm per layer): each call was judged against its own reference
+        # error (its score); the step keeps the whole row of the worst-scoring call, and sums the log-ratios.
         if prev is not None:
-            if self.is_err.device != row.device:  # once: no host-to-device copy per call
-                self.is_err = self.is_err.to(row.device)
-            row = torch.where(self.is_err, torch.maximum(row, prev), row)
+            if self.is_sum.device != row.device:  # once: no host-to-device copy per call
+                self.is_sum = self.is_sum.to(row.device)
+            worse = row[self.i_score] > prev[self.i_score]
+            row = torch.where(self.is_sum, row + prev, torch.where(worse, row, prev))
         self.rows[step] = row
 
     def _check(self, inputs, cand, live=None) -> torch.Tensor:
@@ -162,9 +176,21 @@ class Lockstep:
             cos = torch.nn.functional.cosine_similarity(torch.nan_to_num(c0), o0, dim=0)
             first_c, first_r = _rel(cand[0], orc[0]), _rel(ref_out[0], orc[0])
             head = [cos.reshape(1)]
-        err_c = torch.stack([first_c] + [_rel(c, o) for c, o in zip(cand[1:], orc[1:])]).max()
-        err_r = torch.stack([first_r] + [_rel(r, o) for r, o in zip(ref_out[1:], orc[1:])]).max()
-        tail = [err_c.reshape(1), err_r.reshape(1), torch.full((1,), floor, dtype=torch.float64, device=err_c.device)]
+        errs_c = torch.stack([first_c] + [_rel(c, o) for c, o in zip(cand[1:], orc[1:])])
+        errs_r = torch.stack([first_r] + [_rel(r, o) for r, o in zip(ref_out[1:], orc[1:])])
+        # The rule per output (and per bucket), each candidate error against the reference's on the same output.
+        pairs_c, pairs_r = errs_c, errs_r
+        if order is not None:
+            pb = per_bucket.view(-1, 3)
+            pairs_c, pairs_r = torch.cat([errs_c, pb[:, 0]]), torch.cat([errs_r, pb[:, 1]])
+        score = (pairs_c / (RATIO * pairs_r + floor)).max()
+        # Lifted by a thousandth of the floor, so 0 / 0 (both exact) reads as 1 (rule.record_ratio).
+        f0 = 1e-3 * floor if floor > 0 else 1e-300
+        log_ratio = torch.log((errs_c.max() + f0) / (errs_r.max() + f0))
+        dev = errs_c.device
+        tail = [errs_c.max().reshape(1), errs_r.max().reshape(1),
+                torch.full((1,), floor, dtype=torch.float64, device=dev), score.reshape(1), log_ratio.reshape(1),
+                torch.ones(1, dtype=torch.float64, device=dev)]
         if self.slot == "attn_softcap":
             x = inputs[0]
             tail.append(x.masked_fill(torch.isinf(x), 0).abs().max().to(torch.float64).reshape(1))
@@ -180,19 +206,13 @@ class Lockstep:
         out = {}
         for step, vals in zip(have, packed):
             vals = dict(zip(self.keys, vals))
-            wrong = self._wrong(vals)
+            vals["lockstep/ratio"] = math.exp(vals["lockstep/ratio"] / max(1.0, vals["lockstep/calls"]))
+            wrong = not vals["lockstep/score"] <= 1.0  # some call of the step broke the rule; NaN counts as wrong
             vals["lockstep/wrong"] = float(wrong)
-            self.history.append((step, wrong, vals["lockstep/err_candidate"], vals["lockstep/err_reference"]))
+            self.history.append((step, wrong, vals["lockstep/err_candidate"], vals["lockstep/err_reference"],
+                                 vals["lockstep/ratio"]))
             out[step] = vals
         return out
-
-    @staticmethod
-    def _wrong(v: dict) -> bool:
-        floor = v["lockstep/floor"]
-        pairs = [("lockstep/err_candidate", "lockstep/err_reference")]
-        pairs += [(k, k.replace("err_candidate", "err_reference")) for k in v
-                  if k.endswith("/err_candidate") and k != "lockstep/err_candidate"]
-        return any(not within(v[c], v[r], floor) for c, r in pairs)  # NaN counts as wrong
 
     def _mutated_input(self):
         if self.mutation is None:
@@ -206,9 +226,12 @@ class Lockstep:
             if run >= WINDOW and first is None:
                 first = step - (WINDOW - 1) * self.every
         worst = max(self.history, key=lambda h: h[2] / max(h[3], 1e-30), default=None)
+        record = record_judgement([h[0] for h in self.history], [h[4] for h in self.history])
+        firsts = [s for s in (first, record["first_step"]) if s is not None]
         return {
             "slot": self.slot, "candidate": self.impl.name, "checked_steps": len(self.history),
-            "every": self.every, "wrong": first is not None, "first_wrong_step": first,
+            "every": self.every, "wrong": bool(firsts), "first_wrong_step": min(firsts) if firsts else None,
+            "wrong_by_step": first is not None, "first_step_over": first, "record": record,
             "wrong_steps": sum(1 for h in self.history if h[1]),
             "worst_step": worst[0] if worst else None,
             "worst_err_candidate": worst[2] if worst else None,
@@ -217,6 +240,8 @@ class Lockstep:
             "compiled_metrics": self.compiled,
             "compile_fallback": self.compile_fallback,
             "error": self.error,
-            "rule": f"err_candidate <= {RATIO} x err_reference + rounding floor, overall and per frequency "
-                    f"bucket; wrong after {WINDOW} consecutive checked steps over it",
+            "rule": f"per call: err_candidate <= {RATIO} x err_reference + rounding floor, overall and per "
+                    f"frequency bucket; wrong after {WINDOW} consecutive checked steps over it, or when the median "
+                    f"per-step err_candidate / err_reference exceeds {record['limit']} over at least "
+                    f"{record['min_steps']} checked steps",
         }

@@ -8,7 +8,11 @@ to t (a running maximum: chaos only grows). The candidate leaves the envelope at
 and it is flagged when that holds for `window` consecutive compared points. The floor keeps the very first steps,
 where every null is still bitwise equal to the reference, from turning rounding noise into a finding.
 DIVERGED names the metric, the first step of the flagged window, the direction, and the effect size
-d_candidate / envelope (in units of the null spread).
+d_candidate / max(envelope, floor): the distance in units of the null envelope, or of the floor where the nulls
+stayed closer to the reference than the floor (the first steps, when they are still bitwise equal to it).
+
+Series are matched by step. Leave-one-out calibration (`calibrate`) sets the margin of each optimizer; `combine`
+joins the A/B with the lockstep check and the probe into one verdict and `exit_code` maps it to the exit code.
 """
 from __future__ import annotations
 
@@ -34,27 +38,56 @@ def envelope(null_dists: list) -> np.ndarray:
     return np.maximum.accumulate(stacked.max(0))
 
 
-def judge_metric(metric, steps, cand, cand_signed, nulls, margin, window) -> dict:
-    """One metric: the candidate's distances against the envelope of the null arms' distances."""
-    n = min([len(cand)] + [len(d) for d in nulls])
-    steps, cand, cand_signed = steps[:n], cand[:n], cand_signed[:n]
-    env = envelope([d[:n] for d in nulls]) if nulls else np.zeros(n)
-    floor = floor_for(metric)
-    out = np.nan_to_num(cand, nan=np.inf) > margin * env + floor
+def align(steps, cand, cand_signed, null_series: list):
+    """The points every arm has, matched by STEP (not by index: an arm that logged a step more or less, or a null
+    that stopped early, must not shift one series against another). Returns (steps, cand, signed, [null dists])."""
+    common = np.asarray(steps)
+    for s_n, _ in null_series:
+        common = np.intersect1d(common, s_n)
+    pick = np.isin(steps, common)
+    return (common, np.asarray(cand)[pick], np.asarray(cand_signed)[pick],
+            [np.asarray(d)[np.isin(s_n, common)] for s_n, d in null_series])
+
+
+def excess(d: np.ndarray, env: np.ndarray, floor: float, window: int) -> np.ndarray:
+    """At each point i >= window-1, the smallest margin m at which the rule d > m x env + floor would NOT hold for
+    the window ending at i, i.e. min over the window of (d - floor) / env. The rule flags at margin m exactly where
+    this exceeds m, so one array answers every margin (the leave-one-out check needs several). env 0: infinite
+    when d is over the floor, else 0. NaN distances count as infinite."""
+    d = np.nan_to_num(np.asarray(d, dtype=np.float64), nan=np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
-        # In units of the null spread, never of less than the floor: a spread of 0 is rounding, not precision.
+        x = np.where(env > 0, (d - floor) / np.where(env > 0, env, 1.0), np.where(d > floor, np.inf, 0.0))
+    if len(x) < window:
+        return np.zeros(0)
+    return np.min(np.lib.stride_tricks.sliding_window_view(x, window), axis=1)
+
+
+def judge_metric(metric, steps, cand, cand_signed, nulls, margin, window, null_steps=None) -> dict:
+    """One metric: the candidate's distances against the envelope of the null arms' distances, aligned by step.
+
+    `nulls`: the null arms' distance arrays, at `null_steps` (one steps array per null; default: `steps`, i.e. the
+    caller aligned them). A metric with fewer compared points than `window` cannot flag: `too_few_points` says so.
+    `critical_margin` is the largest margin at which it would still be flagged (max over windows of the window's
+    smallest (d - floor) / envelope)."""
+    null_steps = null_steps if null_steps is not None else [steps] * len(nulls)
+    steps, cand, cand_signed, nulls = align(np.asarray(steps), cand, cand_signed, list(zip(null_steps, nulls)))
+    n = len(steps)
+    env = envelope(nulls) if nulls else np.zeros(n)
+    floor = floor_for(metric)
+    w = excess(cand, env, floor, window)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # The effect size in units of max(null envelope, floor): where the nulls sat closer to the reference than
+        # the floor, the floor is the unit (a spread of 0 is rounding, not precision).
         r = cand / np.maximum(env, floor)
-    res = {"metric": metric, "flagged": False, "points": int(n)}
-    run = 0
-    for i, o in enumerate(out):
-        run = run + 1 if o else 0
-        if run >= window:
-            first = i - window + 1
-            sl = slice(first, i + 1)
-            res.update(flagged=True, first_step=int(steps[first]), flag_step=int(steps[i]),
-                       direction="higher" if np.nanmean(cand_signed[sl]) > 0 else "lower",
-                       effect_size=float(np.nanmin(r[sl])))
-            break
+    res = {"metric": metric, "flagged": False, "points": int(n), "too_few_points": n < window,
+           "critical_margin": float(w.max()) if len(w) else None}
+    hit = np.nonzero(w > margin)[0]
+    if len(hit):
+        first = int(hit[0])
+        sl = slice(first, first + window)
+        res.update(flagged=True, first_step=int(steps[first]), flag_step=int(steps[first + window - 1]),
+                   direction="higher" if np.nanmean(cand_signed[sl]) > 0 else "lower",
+                   effect_size=float(np.nanmin(r[sl])))
     res["max_ratio"] = float(np.nanmax(r)) if n else 0.0
     res["final_distance"] = float(cand[-1]) if n else 0.0
     res["final_envelope"] = float(env[-1]) if n else 0.0
@@ -66,13 +99,56 @@ def judge_arm(cand_d: dict, null_ds: list, margin: float, window: int) -> list:
     for metric, c in cand_d.items():
         if metric.startswith("_"):
             continue
-        nulls = [d[metric]["dist"] for d in null_ds if metric in d]
-        results.append(judge_metric(metric, c["steps"], c["dist"], c["signed"], nulls, margin, window))
+        have = [d[metric] for d in null_ds if metric in d]
+        results.append(judge_metric(metric, c["steps"], c["dist"], c["signed"], [h["dist"] for h in have],
+                                    margin, window, null_steps=[h["steps"] for h in have]))
     return results
 
 
+# Leave-one-out calibration. Each null in turn is judged, with the same rule, against the envelope of the others:
+# its statistic is its largest critical margin over EVERY metric of the optimizer (the family the candidate is
+# tested on: one optimizer's ~13 metrics are correlated, not independent tests, and taking the null's maximum over
+# the same family accounts for their number whatever their dependence). A null flagged this way (statistic above
+# the margin) means chance alone goes further than the margin allows in this run: the envelope is too thin. The
+# margin is then widened to WIDEN x the worst null's statistic, and the verdict says so. In every case the margin
+# used is at least the largest leave-one-out statistic, so if the candidate is exchangeable with the nulls (as
+# correct as they are) it is flagged with probability at most 1 / (nulls + 1) per optimizer, a bound that holds
+# before the margin adds its own safety. WIDEN = 1.5: the candidate must go half again as far as the worst null.
+WIDEN = 1.5
+
+
+def calibrate(null_ds: list, margin: float, window: int) -> dict:
+    """Leave-one-out over the null arms; returns the margin to judge the candidate with and why."""
+    out = {"nulls": len(null_ds), "margin": margin, "base_margin": margin, "widened": False, "loo": [],
+           "too_thin": False}
+    if len(null_ds) < 2:
+        out["note"] = "one null arm: no leave-one-out calibration possible (ab.nulls >= 2 gives one)"
+        return out
+    for j, dj in enumerate(null_ds):
+        others = [d for k, d in enumerate(null_ds) if k != j]
+        res = judge_arm(dj, others, margin, window)
+        scored = [m for m in res if m["critical_margin"] is not None]
+        worst = max(scored, key=lambda m: m["critical_margin"], default=None)
+        out["loo"].append({"null": f"null-{j + 1}", "statistic": worst["critical_margin"] if worst else None,
+                           "metric": worst["metric"] if worst else None,
+                           "flagged": [m["metric"] for m in res if m["flagged"]]})
+    stats = [x["statistic"] for x in out["loo"] if x["statistic"] is not None]
+    c_max = max(stats, default=0.0)
+    out["max_statistic"] = c_max
+    if c_max > margin:
+        out.update(too_thin=True, widened=True, margin=WIDEN * c_max)
+        worst = max(out["loo"], key=lambda x: x["statistic"] if x["statistic"] is not None else -1)
+        out["note"] = (f"envelope too thin: {worst['null']} left the envelope of the other nulls on {worst['metric']} "
+                       f"at {c_max:.3g}x (margin {margin:g}); margin widened to {WIDEN:g} x {c_max:.3g} = "
+                       f"{WIDEN * c_max:.3g} for this optimizer (more nulls, ab.nulls, narrow it)")
+    return out
+
+
 def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
-    """PASS / DIVERGED / NAN / CRASH / TIMEOUT for one optimizer, with the earliest flagged metric."""
+    """PASS / DIVERGED / NAN / CRASH / TIMEOUT for one optimizer, with the earliest flagged metric.
+
+    The two kinds of A/B evidence stay apart: `harmed` (loss, validation loss or KL left the envelope: training
+    went elsewhere) and `moved` (gradient norms or embedding rows did, the loss did not)."""
     st = arm_status.get("status", "CRASH")
     if st != "OK":
         v = {"verdict": st, "detail": arm_status.get("error") or
@@ -81,9 +157,14 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
         if st == "NAN":
             v.update(step=arm_status.get("stop_step"), where=arm_status.get("stop_where"))
         return v
+    too_few = [m["metric"] for m in metric_results if m.get("too_few_points")]
     flagged = sorted((m for m in metric_results if m["flagged"]), key=lambda m: (m["first_step"], -m["effect_size"]))
     if not flagged:
-        return {"verdict": "PASS", "flagged": []}
+        v = {"verdict": "PASS", "flagged": [], "harmed": [], "moved": [], "too_few_points": too_few}
+        if too_few:
+            v.update(verdict="INCONCLUSIVE", detail=f"{', '.join(too_few)}: fewer compared points than the window "
+                                                    "(cannot flag); a longer run or more frequent evaluations")
+        return v
     first = flagged[0]
     harms = [m["metric"] for m in flagged if m["metric"].split("/")[0] in TRAINING_METRICS]
     return {
@@ -91,62 +172,202 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
         "metric": first["metric"], "first_step": first["first_step"], "direction": first["direction"],
         "effect_size": first["effect_size"],
         "flagged": [m["metric"] for m in flagged],
+        "harmed": harms, "moved": [m["metric"] for m in flagged if m["metric"] not in harms],
+        "too_few_points": too_few,
         "training_harmed": bool(harms),
         "detail": f"{first['metric']} left the null envelope at step {first['first_step']} "
-                  f"({first['direction']}, {first['effect_size']:.1f}x the null spread)",
+                  f"({first['direction']}, {first['effect_size']:.1f}x max(null envelope, floor))",
     }
 
 
-SEVERITY = ["PASS", "WRONG", "DIVERGED", "NAN", "TIMEOUT", "CRASH", "ERROR"]
+SEVERITY = ["PASS", "INCONCLUSIVE", "WRONG", "DIVERGED", "NAN", "TIMEOUT", "CRASH", "ERROR"]
 
 
 def overall(per_opt: dict) -> str:
     return max((v["verdict"] for v in per_opt.values()), key=SEVERITY.index, default="PASS")
 
 
-def combine(per_opt: dict) -> dict:
-    """Both witnesses together: the lockstep check (is the op numerically wrong on this run's real inputs?) and
-    the free-running A/B (does training go elsewhere?). Returns the overall verdict and which case holds.
+# ------------------------------------------------------------------------------------------------- the signals
+# Three witnesses, each with its own word: PASS, FINDING, INCONCLUSIVE (it did not run to its end, or had too
+# little to judge), or SKIPPED (turned off by the recipe or the command line: named in the summary, never a PASS).
 
-    - harms training: the A/B saw loss, validation loss or KL leave the null envelope (names the optimizers);
-    - wrong but masked: lockstep says wrong, training under the tried optimizers stayed inside the nulls: the
-      AdamW case of the story, a deployment risk all the same (verdict WRONG, exit 1);
-    - equivalent: neither witness saw anything.
+def _sig(word: str, reason: str) -> dict:
+    return {"verdict": word, "reason": reason or word.lower()}
+
+
+def ab_signal(per_opt: dict) -> dict:
+    fails = {o: v for o, v in per_opt.items() if v["verdict"] in ("NAN", "TIMEOUT", "CRASH")}
+    if fails:
+        return _sig("FINDING", "; ".join(f"{o}: {v['verdict']} ({v.get('detail', '')})" for o, v in fails.items()))
+    errors = {o: v for o, v in per_opt.items() if v["verdict"] == "ERROR"}
+    harmed = {o: v for o, v in per_opt.items() if v.get("harmed")}
+    moved = {o: v for o, v in per_opt.items() if v.get("moved") and not v.get("harmed")}
+    if harmed:
+        return _sig("FINDING", "training harmed: " + "; ".join(
+            f"{o}: {', '.join(v['harmed'])} (first flag at step {v['first_step']})" for o, v in harmed.items()))
+    if moved:
+        return _sig("FINDING", "weights or gradients moved, loss inside the envelope: " + "; ".join(
+            f"{o}: {', '.join(v['moved'])} from step {v['first_step']}" for o, v in moved.items()))
+    if errors:
+        return _sig("INCONCLUSIVE", "; ".join(f"{o}: {v.get('detail', '')}" for o, v in errors.items()))
+    few = {o: v["too_few_points"] for o, v in per_opt.items() if v.get("too_few_points")}
+    if few:
+        return _sig("INCONCLUSIVE", "fewer compared points than the window, cannot flag: "
+                    + "; ".join(f"{o}: {', '.join(m)}" for o, m in few.items()))
+    widened = [o for o, v in per_opt.items() if (v.get("calibration") or {}).get("widened")]
+    note = f" (margin widened by leave-one-out under {', '.join(widened)})" if widened else ""
+    return _sig("PASS", f"every metric inside the null envelope under {', '.join(per_opt)}{note}")
+
+
+def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
+    from .rule import MIN_RECORD_STEPS
+
+    if not enabled:
+        return _sig("SKIPPED", "lockstep check off (ab.lockstep_every: 0)")
+    findings, unsure, fine = [], [], []
+    for o, v in per_opt.items():
+        if v.get("verdict") == "ERROR":
+            unsure.append(f"{o}: not judged (harness arm failed)")
+            continue
+        ls = v.get("lockstep")
+        if not ls:
+            unsure.append(f"{o}: no lockstep record")
+        elif ls.get("mutated_input"):
+            findings.append(f"{o}: writes to its input {ls['mutated_input']!r}")
+        elif ls.get("wrong"):
+            how = []
+            if ls.get("first_step_over", ls.get("first_wrong_step")) is not None:
+                how.append(f"over the per-step limit from step {ls.get('first_step_over', ls.get('first_wrong_step'))}")
+            rec = ls.get("record") or {}
+            if rec.get("wrong"):
+                how.append(f"median error {rec['median_ratio']:.2f}x the reference's over {rec['checked']} steps "
+                           f"(limit {rec['limit']:g}x, caught at step {rec['first_step']})")
+            findings.append(f"{o}: wrong on live inputs, " + " and ".join(how or ["see the lockstep record"]))
+        elif ls.get("failed"):
+            unsure.append(f"{o}: the check did not run to its end ({ls['failed']})")
+        elif ls.get("error"):
+            unsure.append(f"{o}: stopped, the candidate raised on live inputs at {ls['error']}")
+        elif (ls.get("checked_steps") or 0) < MIN_RECORD_STEPS:
+            unsure.append(f"{o}: {ls.get('checked_steps') or 0} checked steps, fewer than {MIN_RECORD_STEPS}")
+        else:
+            rec = ls.get("record") or {}
+            fine.append(f"{o}: {ls['checked_steps']} steps, median {rec.get('median_ratio', float('nan')):.2f}x")
+    if findings:
+        return _sig("FINDING", "; ".join(findings))
+    if unsure:
+        return _sig("INCONCLUSIVE", "; ".join(unsure))
+    return _sig("PASS", "within the rule on every checked step and over the record: " + "; ".join(fine))
+
+
+def probe_signal(probe, enabled: bool = True, error=None) -> dict:
+    if error:
+        return _sig("INCONCLUSIVE", error)
+    if probe is None:
+        return _sig("SKIPPED", "probe not run (ab.probe: false or --no-probe)") if not enabled else \
+            _sig("INCONCLUSIVE", "the probe left no result")
+    v, n = probe.get("verdict"), probe.get("findings")
+    n = len(n) if isinstance(n, list) else n
+    if v == "FAIL":
+        return _sig("FINDING", f"{n} finding(s) against the float64 oracle (probe.json)")
+    unrun = [x for x in probe.get("notes") or [] if "not run" in x or "stopped" in x]
+    if v == "PASS" and not unrun:
+        return _sig("PASS", f"{len(probe.get('families') or [])} input families within the rule")
+    if v == "PASS":
+        return _sig("INCONCLUSIVE", "probe did not run to its end: " + unrun[0])
+    return _sig("INCONCLUSIVE", f"probe ended with {v}: {probe.get('detail') or probe.get('error') or 'no detail'}")
+
+
+# Exit codes: 0 PASS; 1 a finding that the kernel is wrong or harms training (training harmed, op wrong by the
+# lockstep check or the probe, NaN/crash/hang of the candidate); 3 a finding of the weaker kind: weights or
+# gradients moved beyond the nulls while the loss, the lockstep check and the probe saw nothing (one such
+# DIVERGED on the H200 was a false positive, README.md: worth a re-run before it is believed); 2 no judgement:
+# ERROR (harness) or INCONCLUSIVE (a check did not run to its end or had too little to judge). A gate that
+# deploys only on 0 is safe with all of them; 2 asks for a re-run (more steps, more nulls), 1 for a fix.
+def exit_code(result: dict) -> int:
+    v, case = result.get("verdict"), result.get("case")
+    if v == "PASS":
+        return 0
+    if v in ("ERROR", "INCONCLUSIVE"):
+        return 2
+    if case == "weights-moved":
+        return 3
+    return 1
+
+
+def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enabled: bool = True,
+            probe_error=None) -> dict:
+    """Every witness together: the A/B (does training go elsewhere?), the lockstep check (is the op numerically
+    wrong on this run's real inputs?) and the probe (is it wrong anywhere on its input families?). Returns the
+    overall verdict, which case holds, the summary and each signal.
+
+    - harms-training (DIVERGED, exit 1): loss, validation loss or KL left the envelope (names the optimizers);
+    - wrong-but-masked (WRONG, exit 1): the lockstep check or the probe says the op is wrong, training under the
+      tried optimizers stayed inside the nulls: the AdamW case of the story, a deployment risk all the same;
+    - weights-moved (DIVERGED, exit 3): gradients or weights left the envelope, loss stayed inside, the op checks
+      saw nothing;
+    - failed (NAN, TIMEOUT, CRASH: exit 1; ERROR: exit 2);
+    - inconclusive (INCONCLUSIVE, exit 2): no finding, and some signal could not be judged;
+    - equivalent (PASS, exit 0): every signal that ran passed.
     """
     for v in per_opt.values():
         ls = v.get("lockstep") or {}
         if ls.get("mutated_input"):
             ls["wrong"] = True
-            if v["verdict"] == "PASS":
+            if v["verdict"] in ("PASS", "INCONCLUSIVE"):
                 v["verdict"] = "WRONG"
                 v["detail"] = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
-        if v["verdict"] == "PASS" and ls.get("wrong"):
+        if v["verdict"] in ("PASS", "INCONCLUSIVE") and ls.get("wrong"):
             v["verdict"] = "WRONG"
-            v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (error "
-                           f"{ls['worst_err_candidate']:.2e} vs the reference's {ls['worst_err_reference']:.2e}); "
-                           f"training stayed inside the null envelope")
-    verdict = overall(per_opt)
-    wrong = [o for o, v in per_opt.items() if (v.get("lockstep") or {}).get("wrong")]
-    harmed = [o for o, v in per_opt.items() if v.get("training_harmed")]
-    differs = [o for o, v in per_opt.items() if v["verdict"] == "DIVERGED"]
-    if verdict == "ERROR":  # the harness's own arms: say which and why, not "the candidate's run ended with ERROR"
-        first = next(v for v in per_opt.values() if v["verdict"] == "ERROR")
-        case, words = "failed", f"no verdict: {first.get('detail') or 'a harness arm failed'}"
-    elif verdict in ("NAN", "TIMEOUT", "CRASH"):
-        case, words = "failed", f"the candidate's run ended with {verdict}"
+            v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (worst step: error "
+                           f"{_num(ls.get('worst_err_candidate'))} vs the reference's "
+                           f"{_num(ls.get('worst_err_reference'))}); training stayed inside the null envelope")
+        elif v["verdict"] == "PASS" and lockstep_enabled and (ls.get("failed") or ls.get("error") or not ls):
+            v["verdict"] = "INCONCLUSIVE"
+            v["detail"] = "the lockstep check did not run to its end: " + str(
+                ls.get("failed") or ls.get("error") or "no record")
+    signals = {"ab": ab_signal(per_opt), "lockstep": lockstep_signal(per_opt, lockstep_enabled),
+               "probe": probe_signal(probe, probe_enabled, probe_error)}
+    words = {k: s["verdict"] for k, s in signals.items()}
+    harmed = [o for o, v in per_opt.items() if v.get("harmed")]
+    moved = [o for o, v in per_opt.items() if v.get("moved") and not v.get("harmed")]
+    failed = [v["verdict"] for v in per_opt.values() if v["verdict"] in ("NAN", "TIMEOUT", "CRASH")]
+    op_wrong = [k for k in ("lockstep", "probe") if words[k] == "FINDING"]
+    op_words = {"lockstep": "numerically wrong on real inputs (lockstep)",
+                "probe": "wrong against the float64 oracle (probe)"}
+    if any(v["verdict"] == "ERROR" for v in per_opt.values()) and not (failed or harmed or op_wrong):
+        verdict, case = "ERROR", "failed"
+        summary = "the harness could not judge: " + signals["ab"]["reason"]
+    elif failed:
+        verdict = max(failed, key=SEVERITY.index)
+        case, summary = "failed", f"the candidate's run ended with {verdict}"
     elif harmed:
-        case = "harms-training"
-        words = (("numerically wrong on real inputs and " if wrong else "")
-                 + f"harms training under {', '.join(harmed)}")
+        verdict, case = "DIVERGED", "harms-training"
+        summary = "".join(op_words[k] + " and " for k in op_wrong) + f"harms training under {', '.join(harmed)}"
         masked = [o for o in per_opt if o not in harmed]
         if masked:
-            words += f"; masked under {', '.join(masked)}"
-    elif wrong or differs:
-        case = "wrong-but-masked"
-        parts = (["numerically wrong on real inputs"] if wrong else []) + (
-            [f"gradients or weights leave the null envelope under {', '.join(differs)}"] if differs else [])
-        words = (" and ".join(parts) + f", but the loss under {', '.join(per_opt)} stays inside the null envelope"
-                 ": a deployment risk")
+            summary += f"; masked under {', '.join(masked)}"
+    elif op_wrong:
+        verdict, case = "WRONG", "wrong-but-masked"
+        parts = [op_words[k] for k in op_wrong] + (
+            [f"gradients or weights leave the null envelope under {', '.join(moved)}"] if moved else [])
+        summary = (" and ".join(parts) + f", but the loss under {', '.join(per_opt)} stays inside the null envelope"
+                   ": a deployment risk")
+    elif moved:
+        verdict, case = "DIVERGED", "weights-moved"
+        summary = (f"gradients or weights leave the null envelope under {', '.join(moved)}; the loss stays inside "
+                   "and the op checks saw nothing wrong (re-run before believing it)")
+    elif "INCONCLUSIVE" in words.values():
+        verdict, case = "INCONCLUSIVE", "inconclusive"
+        summary = "no finding, but not every check could judge: " + "; ".join(
+            f"{k}: {s['reason']}" for k, s in signals.items() if s["verdict"] == "INCONCLUSIVE")
     else:
-        case, words = "equivalent", "equivalent to the reference within the null envelope and the lockstep rule"
-    return {"verdict": verdict, "case": case, "summary": words}
+        verdict, case = "PASS", "equivalent"
+        summary = "equivalent to the reference within the null envelope and the lockstep rule"
+        skipped = [k for k, w in words.items() if w == "SKIPPED"]
+        if skipped:
+            summary += f" ({', '.join(skipped)} not run)"
+    return {"verdict": verdict, "case": case, "summary": summary, "signals": signals}
+
+
+def _num(x) -> str:
+    return "?" if x is None else f"{x:.2e}"

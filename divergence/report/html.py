@@ -25,14 +25,14 @@ h1 { font-size: 22px; margin: 8px 0 4px; } h2 { font-size: 18px; margin: 34px 0 
 .banner.PASS { background: #e6f4ea; border-left: 6px solid #2e7d32; }
 .banner.DIVERGED, .banner.WRONG, .banner.NAN, .banner.CRASH, .banner.TIMEOUT {
   background: #fdecea; border-left: 6px solid #c62828; }
-.banner.ERROR { background: #fff4e5; border-left: 6px solid #ef6c00; }
+.banner.ERROR, .banner.INCONCLUSIVE { background: #fff4e5; border-left: 6px solid #ef6c00; }
 table { border-collapse: collapse; margin: 8px 0; font-size: 14px; }
 th, td { border: 1px solid #ddd; padding: 6px 9px; text-align: left; vertical-align: top; }
 th { background: #f5f5f5; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .tag { display: inline-block; padding: 1px 8px; border-radius: 10px; font-weight: 600; font-size: 13px; }
 .tag.PASS { color: #1b5e20; } .tag.DIVERGED, .tag.WRONG, .tag.NAN, .tag.CRASH, .tag.TIMEOUT { color: #b71c1c; }
-.tag.ERROR { color: #e65100; }
+.tag.ERROR, .tag.INCONCLUSIVE { color: #e65100; } .tag.FINDING { color: #b71c1c; }
 .flag { color: #b71c1c; font-weight: 600; }
 figure { margin: 10px 0 24px; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #444; font-size: 14px; max-width: 1000px; margin-top: 4px; }
@@ -100,6 +100,19 @@ def _headline(res) -> str:
             f'{_zoo_note(cand)}</p>')
 
 
+def _signals_table(res) -> str:
+    """The three witnesses, each with its own word: the overall verdict is PASS only when every one that ran passed."""
+    sig = res.verdict.get("signals") or {}
+    if not sig:
+        return ""
+    rows = "".join(f"<tr><td><b>{e(words.SIGNAL_NAMES.get(k, k))}</b></td><td>{_tag(s.get('verdict'))}</td>"
+                   f"<td>{e(s.get('reason'))}</td></tr>" for k, s in sig.items())
+    return ("<table><tr><th>signal</th><th>word</th><th>why</th></tr>" + rows + "</table>"
+            f'<p class="note">Exit code {e(res.verdict.get("exit_code"))}. PASS: every signal that ran saw nothing; '
+            "FINDING: one saw the rule broken; INCONCLUSIVE: one did not run to its end or had too little to judge "
+            "(never a pass); SKIPPED: turned off.</p>")
+
+
 def _verdict_table(res) -> str:
     rule = res.verdict.get("rule", {})
     rows = []
@@ -121,7 +134,9 @@ def _method(res) -> str:
             f"reference that rounds differently (another summation order, float64 accumulation), so the null arms show how far two correct runs drift apart by chaos alone. A metric is "
             f"flagged when the candidate's distance from the reference exceeds {rule.get('margin', 3):g}x the largest "
             f"null distance so far, plus a small absolute floor, for {rule.get('window', 3)} compared points in a "
-            f"row. Effect sizes are in units of that null spread.</p>")
+            f"row (the margin of an optimizer is widened where leave-one-out calibration finds a null arm outside the "
+            f"envelope of the others). Effect sizes are the candidate's distance divided by the larger of the null "
+            f"envelope and the metric's floor.</p>")
 
 
 def _figures(made: list) -> str:
@@ -208,7 +223,7 @@ def render(res, made: list) -> str:
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>'
             f"<style>{CSS}</style></head><body><main>"
             f"<h1>A/B verdict: <code>{e(v['kernel'])}</code> &larr; <code>{e(v['candidate']['name'])}</code></h1>"
-            f"{_headline(res)}{_verdict_table(res)}{_method(res)}{_figures(made)}"
+            f"{_headline(res)}{_signals_table(res)}{_verdict_table(res)}{_method(res)}{_figures(made)}"
             f"<h2>Numbers</h2>{_metrics_tables(res)}{_drift_table(res)}{_arms_table(res)}"
             f'<p class="note">{files}</p><p class="note">Written {e(time.strftime("%Y-%m-%d %H:%M:%S"))} from '
             f"<code>{e(res.dir)}</code>.</p></main></body></html>\n")

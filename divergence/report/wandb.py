@@ -168,6 +168,7 @@ def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, conf
     run.summary.update({k: x for k, x in (("verdict", v["verdict"]), ("verdict_case", v.get("case")),
                                           ("verdict_summary", v.get("summary"))) if x is not None})
     run.summary.update({f"verdict/{o}": x.get("verdict") for o, x in v.get("optimizers", {}).items()})
+    run.summary.update(_signal_summary(v))
     runs.append(Path(run.dir).parent)
     url = run.url if mode == "online" else None
     run.finish()
@@ -242,9 +243,19 @@ def _log_history(run, res, arm):
         run.log(by_step[s], step=s)
 
 
+def _signal_summary(v) -> dict:
+    """`signal/<name>` (PASS, FINDING, INCONCLUSIVE or SKIPPED) and `signal/<name>_reason`, and the exit code."""
+    out = {"exit_code": v.get("exit_code")}
+    for k, sig in (v.get("signals") or {}).items():
+        out[f"signal/{k}"] = sig.get("verdict")
+        out[f"signal/{k}_reason"] = sig.get("reason")
+    return {k: x for k, x in out.items() if x is not None}
+
+
 def _summary(res, v, arm) -> dict:
     ov = v.get("optimizers", {}).get(arm.optimizer, {})
     out = {"verdict": v["verdict"], "verdict_case": v.get("case"), "verdict_summary": v.get("summary"),
+           **_signal_summary(v),
            "verdict_optimizer": ov.get("verdict"), "verdict_detail": ov.get("detail", ""),
            "arm_status": arm.info.get("status"), "wall_s": arm.info.get("wall_s"),
            "tokens_per_s": arm.info.get("tokens_per_s")}

@@ -18,7 +18,23 @@ VERDICT_WORDS = {
     "CRASH": "the candidate crashed",
     "TIMEOUT": "the candidate hung or ran out of time",
     "ERROR": "the harness could not judge (a reference or null arm failed)",
+    "INCONCLUSIVE": "no finding, but a check did not run to its end or had too little to judge",
 }
+
+# What each word of the verdict promises (README.md, "What the verdict promises", says the same at length).
+SIGNAL_WORDS = {
+    "PASS": "ran to its end and saw nothing beyond its rule",
+    "FINDING": "saw the candidate break its rule",
+    "INCONCLUSIVE": "did not run to its end, or had too little to judge: no evidence either way",
+    "SKIPPED": "turned off by the recipe or the command line",
+}
+SIGNAL_NAMES = {"ab": "A/B training against the null arms", "lockstep": "lockstep check on live inputs",
+                "probe": "preflight probe against the float64 oracle"}
+
+
+def signal_sentence(name: str, sig: dict) -> str:
+    """One signal in one line: what it is, its word, why."""
+    return f"{SIGNAL_NAMES.get(name, name)}: {sig.get('verdict')} ({sig.get('reason') or 'no reason recorded'})"
 
 
 def metric_words(metric: str) -> str:
@@ -50,17 +66,20 @@ def times(x) -> str:
 def optimizer_sentence(v: dict, rule: dict) -> str:
     """One optimizer's verdict as a sentence or two."""
     verdict = v.get("verdict")
+    cal = v.get("calibration") or {}
+    margin = cal.get("margin", rule.get("margin", 3))
+    widened = f" {cal['note'][:1].upper()}{cal['note'][1:]}." if cal.get("widened") else ""
     if verdict == "PASS":
-        return (f"Every compared metric stayed within {rule.get('margin', 3):g}x the distance the null arms reached "
-                f"(plus a rounding floor).")
+        return (f"Every compared metric stayed within {margin:.3g}x the distance the null arms reached "
+                f"(plus a rounding floor).{widened}")
     if verdict == "DIVERGED":
         m = v.get("metric", "?")
         direction = ""
         if m.split("/")[0] in ("loss", "val_loss", "grad_norm"):
             direction = f", {v.get('direction')} than the reference"
         s = (f"The {metric_words(m)} left the range of the null arms at step {v.get('first_step')} and stayed out "
-             f"for {rule.get('window', 3)} checks in a row: {times(v.get('effect_size'))} the largest null "
-             f"distance{direction}.")
+             f"for {rule.get('window', 3)} checks in a row: at least {times(v.get('effect_size'))} the larger of "
+             f"the largest null distance and the metric's rounding floor{direction}.")
         others = [f for f in v.get("flagged", []) if f != m]
         if others:
             s += " Also outside: " + ", ".join(metric_words(f) for f in others) + "."
@@ -68,10 +87,15 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
             s += " Loss or predictions are affected, not only the weights."
         else:
             s += " Loss and predictions stayed within the null range: so far the damage is in the weights."
-        return s
+        if v.get("too_few_points"):
+            s += (f" Not judged, fewer compared points than the window: "
+                  f"{', '.join(metric_words(m) for m in v['too_few_points'])}.")
+        return s + widened
     if verdict == "WRONG":
         return (f"Training stayed within {rule.get('margin', 3):g}x the distance the null arms reached, but the op "
                 f"itself is wrong on this run's live inputs: {v.get('detail') or 'see the op check'}.")
+    if verdict == "INCONCLUSIVE":
+        return f"Not judged to the end: {v.get('detail') or 'see the signals'}."
     if verdict == "NAN":
         return f"The candidate arm stopped at step {v.get('step')}: non-finite values in {v.get('where')}."
     if verdict in ("CRASH", "TIMEOUT", "ERROR"):
@@ -95,8 +119,13 @@ def lockstep_sentence(ls) -> str:
         worst = (f"; worst at step {ls.get('worst_step')}: error {ls['worst_err_candidate']:.2g} vs the "
                  f"reference's {ls['worst_err_reference']:.2g}")
     mut = f"; it writes to its input {ls['mutated_input']}" if ls.get("mutated_input") else ""
+    rec = ls.get("record") or {}
+    med = (f"; median error {rec['median_ratio']:.3g}x the reference's (limit {rec['limit']:g}x)"
+           if rec.get("median_ratio") is not None else "")
+    if ls.get("error"):
+        mut += f"; stopped: the candidate raised at {ls['error']}"
     if ls.get("wrong"):
         return (f"wrong from step {ls.get('first_wrong_step')}: {ls.get('wrong_steps')} of {n} checked steps "
-                f"over {RATIO:g}x the reference's own error{worst}{mut}")
+                f"over {RATIO:g}x the reference's own error plus the rounding floor{med}{worst}{mut}")
     return (f"within {RATIO:g}x the reference's own error ({ls.get('wrong_steps', 0)} of {n} checked steps over)"
-            f"{worst}{mut}")
+            f"{med}{worst}{mut}")

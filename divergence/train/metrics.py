@@ -2,7 +2,11 @@
 
 Keys: `step`; `loss` (train); `lr`; `grad_norm/<group>` and `update_ratio/<group>` for each parameter group
 (embedding, norms, attention, mlp, head; the update ratio is ||delta w|| / ||w||); `grad_norm/total`;
-`val_loss` on validation steps. NaN and Inf are written as the strings "nan", "inf", "-inf".
+`val_loss` on validation steps.
+
+Every JSON file the harness writes is strict JSON (no NaN/Infinity tokens, which most readers reject): a
+non-finite float is written as the string "nan", "inf" or "-inf", here and in every other file (`jsonable`,
+`write_json`); `read_metrics` turns them back into floats.
 """
 from __future__ import annotations
 
@@ -18,6 +22,25 @@ def _clean(v):
     return v
 
 
+def jsonable(obj):
+    """`obj` with every non-finite float written as "nan"/"inf"/"-inf" and numpy scalars and arrays as Python
+    values: the one way this project writes a non-finite number to JSON."""
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):  # numpy scalars and arrays, 0-d tensors
+        return jsonable(obj.tolist())
+    if isinstance(obj, float):
+        return _clean(obj)
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON text of `obj` (allow_nan=False after `jsonable`: a NaN that slipped through raises here)."""
+    return json.dumps(jsonable(obj), allow_nan=False, default=str, **kw)
+
+
 def _unclean(v):
     return float(v) if v in ("nan", "inf", "-inf") else v
 
@@ -30,7 +53,7 @@ class MetricsWriter:
 
     def write(self, rows):
         for r in rows:
-            self.f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
+            self.f.write(dumps(r) + "\n")
         self.f.flush()
 
     def close(self):
@@ -60,4 +83,4 @@ def write_atomic(path, text: str):
 
 
 def write_json(path, obj):
-    write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+    write_atomic(path, dumps(obj, indent=2) + "\n")

@@ -1,0 +1,258 @@
+"""The verdict (issue 19): every signal counts, no pass by accident, a rule whose calibration is checked on every
+run, and strict JSON everywhere."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from divergence.detect import verdict as V
+from divergence.detect.lockstep import Lockstep
+from divergence.recipe import load_recipe
+from divergence.train.arm import ArmSpec, run_arm
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD_LS = {"checked_steps": 40, "wrong": False, "first_wrong_step": None, "wrong_steps": 0, "error": None,
+           "mutated_input": None, "record": {"median_ratio": 1.0, "limit": 1.5, "checked": 40, "wrong": False}}
+
+
+def _pass(ls=None):
+    return {"verdict": "PASS", "flagged": [], "harmed": [], "moved": [], "too_few_points": [],
+            "lockstep": dict(GOOD_LS) if ls is None else ls}
+
+
+def _tiny_with(tmp_path, **ab):
+    text = (ROOT / "recipes" / "tiny.yaml").read_text()
+    for k, v in ab.items():
+        old = next(line for line in text.splitlines() if line.strip().startswith(f"{k}:"))
+        text = text.replace(old, f"  {k}: {v}")
+    p = tmp_path / "tiny-x.yaml"
+    p.write_text(text)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------- signals
+
+def test_probe_fail_with_ab_pass_is_not_exit_0():
+    res = V.combine({"sgd": _pass()}, probe={"verdict": "FAIL", "findings": [{}], "families": [{}]})
+    assert res["signals"]["probe"]["verdict"] == "FINDING" and res["signals"]["ab"]["verdict"] == "PASS"
+    assert res["verdict"] == "WRONG" and V.exit_code(res) == 1
+
+
+def test_probe_fail_with_ab_pass_end_to_end(tmp_path):
+    """zoo:rope_table_thetas is exact at the tiny recipe's theta (A/B and lockstep pass) and wrong at any other
+    (the probe's theta sweep): `divergence ab` with the probe on must not exit 0."""
+    from divergence.cli import main
+
+    out = tmp_path / "r"
+    code = main(["ab", "--kernel", "rope", "--candidate", "zoo:rope_table_thetas", "--optimizers", "sgd",
+                 "--recipe", str(_tiny_with(tmp_path, probe="true", steps=12)), "--out", str(out), "--no-wandb"])
+    v = json.loads((out / "verdict.json").read_text())
+    assert v["signals"]["probe"]["verdict"] == "FINDING", v["signals"]
+    assert v["signals"]["ab"]["verdict"] == "PASS", v["signals"]
+    assert code == 1 and v["exit_code"] == 1 and v["verdict"] == "WRONG", v["summary"]
+
+
+def test_lockstep_stopped_by_an_exception_is_not_pass():
+    ls = dict(GOOD_LS, checked_steps=3, error="step 3: ValueError: boom")
+    res = V.combine({"sgd": _pass(ls)})
+    sig = res["signals"]["lockstep"]
+    assert sig["verdict"] == "INCONCLUSIVE" and "ValueError" in sig["reason"]
+    assert res["verdict"] == "INCONCLUSIVE" and V.exit_code(res) == 2
+
+
+def test_lost_lockstep_reference_is_not_pass():
+    res = V.combine({"sgd": _pass({"wrong": False, "failed": "CRASH: signal 11", "first_wrong_step": None})})
+    assert res["verdict"] != "PASS" and V.exit_code(res) != 0
+
+
+def test_all_signals_inconclusive_is_not_pass():
+    per = {"sgd": dict(_pass({"checked_steps": 0, "wrong": False}), verdict="INCONCLUSIVE", too_few_points=["loss"])}
+    res = V.combine(per, probe=None, probe_error="the probe failed: RuntimeError: x")
+    assert {s["verdict"] for s in res["signals"].values()} == {"INCONCLUSIVE"}
+    assert res["verdict"] == "INCONCLUSIVE" and V.exit_code(res) == 2
+
+
+def test_training_harmed_and_weights_moved_stay_apart():
+    moved = {"verdict": "DIVERGED", "metric": "grad_norm/mlp", "first_step": 5, "harmed": [],
+             "moved": ["grad_norm/mlp"], "training_harmed": False, "lockstep": dict(GOOD_LS)}
+    res = V.combine({"sgd": moved})
+    assert res["case"] == "weights-moved" and V.exit_code(res) == 3
+    harmed = dict(moved, harmed=["loss"], moved=[], training_harmed=True, metric="loss")
+    res = V.combine({"sgd": harmed})
+    assert res["case"] == "harms-training" and V.exit_code(res) == 1
+
+
+def test_candidate_raising_on_live_inputs_is_not_pass(tmp_path):
+    """A candidate that raises on the live inputs of step 3 (and not before): its arm, where the lockstep check
+    rides, ends CRASH with the exception named, and the verdict is not PASS (exit code not 0)."""
+    cand = tmp_path / "raiser.py"
+    cand.write_text("import torch\nfrom divergence.slots import fused_embed_rmsnorm as f\nCALLS = [0]\n"
+                    "def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):\n"
+                    "    CALLS[0] += 1\n"
+                    "    if CALLS[0] > 3:\n        raise ValueError('no kernel for this shape')\n"
+                    "    return f.reference(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight,"
+                    " vocab_size=vocab_size)\n")
+    r = load_recipe("tiny", {"train": {"steps": 10, "val_every": 1000, "snapshot_every": 0}})
+    info = run_arm(r, ArmSpec("candidate", "sgd", {"fused_embed_rmsnorm": str(cand)}, lockstep="fused_embed_rmsnorm"),
+                   tmp_path / "arm", progress=False, watcher=Lockstep)
+    assert info["status"] == "CRASH" and "ValueError: no kernel for this shape" in info["error"], info
+    assert info["lockstep"]["checked_steps"] == 3, info["lockstep"]
+    v = V.optimizer_verdict(info, [])
+    v["lockstep"] = info["lockstep"]
+    res = V.combine({"sgd": v})
+    assert res["verdict"] == "CRASH" and V.exit_code(res) == 1, res
+
+
+# ------------------------------------------------------------------------------------------ the lockstep record
+
+STEADY = """import torch
+from divergence.slots import fused_embed_rmsnorm as f
+GEN = torch.Generator().manual_seed(0)
+def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
+    # fp32 accumulation, then a relative perturbation of rms SIGMA per element before the bf16 cast: a steady
+    # error of about sqrt(SIGMA^2 + 1.66e-3^2), i.e. 2.5x the reference's (its error is the bf16 cast alone).
+    dh, gw = f._row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
+    ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float32)
+    ge.index_add_(0, input_ids.reshape(-1), dh)
+    ge = ge * (1 + SIGMA * torch.randn(ge.shape, generator=GEN))
+    return ge.to(torch.bfloat16), gw.to(torch.bfloat16)
+"""
+
+
+def test_steady_2_5x_error_on_a_bf16_output_is_wrong_by_the_record(tmp_path):
+    cand = tmp_path / "steady.py"
+    cand.write_text(STEADY.replace("SIGMA", repr(math.sqrt(2.5 ** 2 - 1) * 1.66e-3)))
+    r = load_recipe("tiny", {"train": {"steps": 12, "val_every": 1000, "snapshot_every": 0}})
+    info = run_arm(r, ArmSpec("candidate", "adamw", {"fused_embed_rmsnorm": str(cand)}, lockstep="fused_embed_rmsnorm"),
+                   tmp_path / "arm", progress=False, watcher=Lockstep)
+    ls = info["lockstep"]
+    assert 2.2 < ls["record"]["median_ratio"] < 2.8, ls["record"]
+    assert not ls["wrong_by_step"], ls  # each step alone stays under 2x + the bf16 floor (about 4.3x here)
+    assert ls["wrong"] and ls["record"]["wrong"], ls
+    assert V.lockstep_signal({"adamw": {"verdict": "PASS", "lockstep": ls}})["verdict"] == "FINDING"
+
+
+def test_record_rule_needs_enough_steps():
+    from divergence.detect.rule import MIN_RECORD_STEPS, record_judgement
+
+    short = record_judgement(list(range(MIN_RECORD_STEPS - 1)), [3.0] * (MIN_RECORD_STEPS - 1))
+    assert not short["enough"] and not short["wrong"]
+    ok = record_judgement(list(range(50)), [1.0] * 45 + [3.0] * 5)
+    assert ok["enough"] and not ok["wrong"]
+    bad = record_judgement(list(range(50)), [1.0] * 3 + [2.5] * 47)
+    assert bad["wrong"] and bad["first_step"] == MIN_RECORD_STEPS - 1
+
+
+# ---------------------------------------------------------------------------------------------- the A/B rule
+
+def test_judge_metric_aligns_by_step_not_index():
+    """The null logged no point at step 1: by index its later points would face the candidate's earlier ones."""
+    steps = np.arange(6)
+    cand = np.array([0.0, 9.0, 1.0, 1.0, 1.0, 1.0])  # far out only at step 1, which the null has no point for
+    null_steps = np.array([0, 2, 3, 4, 5])
+    null = np.array([0.0, 1.0, 1.0, 1.0, 1.0])
+    res = V.judge_metric("loss", steps, cand, cand, [null], 3.0, 3, null_steps=[null_steps])
+    assert res["points"] == 5 and not res["flagged"], res
+    cand2 = np.array([0.0, 0.5, 0.5, 5.0, 5.0, 5.0])  # out at steps 3-5 against a null of 1.0 at those steps
+    res2 = V.judge_metric("loss", steps, cand2, cand2, [np.array([0.0, 1.0, 1.0, 1.0, 1.0])], 3.0, 3,
+                          null_steps=[np.array([0, 1, 3, 4, 5])])
+    assert res2["flagged"] and res2["first_step"] == 3, res2
+    # By index (the old rule) the null's 1.0 at steps 3-5 would sit beside the candidate's steps 2-4.
+
+
+def test_metric_with_too_few_points_is_reported():
+    res = V.judge_metric("kl", np.array([0, 10]), np.array([0.0, 5.0]), np.array([0.0, 5.0]),
+                         [np.array([0.0, 0.0])], 3.0, 3)
+    assert res["too_few_points"] and not res["flagged"]
+    ov = V.optimizer_verdict({"status": "OK"}, [res])
+    assert ov["verdict"] == "INCONCLUSIVE" and "kl" in ov["detail"]
+    assert V.ab_signal({"sgd": ov})["verdict"] == "INCONCLUSIVE"
+
+
+def _series(vals, steps=None):
+    vals = np.asarray(vals, dtype=float)
+    steps = np.arange(len(vals)) if steps is None else steps
+    return {"steps": steps, "dist": vals, "signed": vals}
+
+
+def test_leave_one_out_flags_an_envelope_made_too_thin_and_widens():
+    """Two nulls, one of them 8x further from the reference than the other on grad_norm/mlp: judged against the
+    other's envelope it is flagged, so the envelope is too thin for this run. The margin is widened to WIDEN x
+    the worst null's statistic, and a candidate at 5x the full envelope (flagged at margin 3) is no longer."""
+    t = np.arange(1, 21)
+    base = 1e-2 * t
+    null_a = {"grad_norm/mlp": _series(base), "loss": _series(base)}
+    null_b = {"grad_norm/mlp": _series(8 * base), "loss": _series(base)}
+    cal = V.calibrate([null_a, null_b], 3.0, 3)
+    assert cal["too_thin"] and cal["widened"], cal
+    flagged = [x for x in cal["loo"] if "grad_norm/mlp" in x["flagged"]]
+    assert [x["null"] for x in flagged] == ["null-2"]
+    assert cal["margin"] == pytest.approx(V.WIDEN * cal["max_statistic"]) and cal["margin"] > 3.0
+    assert "too thin" in cal["note"]
+    cand = {"grad_norm/mlp": _series(5 * 8 * base), "loss": _series(base)}
+    at3 = V.judge_arm(cand, [null_a, null_b], 3.0, 3)
+    assert any(m["flagged"] for m in at3)
+    widened = V.judge_arm(cand, [null_a, null_b], cal["margin"], 3)
+    assert not any(m["flagged"] for m in widened)
+    # nulls that agree: nothing widened
+    assert not V.calibrate([null_a, {k: _series(1.2 * base) for k in null_a}], 3.0, 3)["widened"]
+
+
+def test_effect_size_is_in_units_of_max_envelope_and_floor():
+    res = V.judge_metric("loss", np.arange(5), np.full(5, 1e-3), np.full(5, 1e-3), [np.zeros(5)], 3.0, 3)
+    assert res["flagged"] and res["effect_size"] == pytest.approx(1e-3 / V.floor_for("loss"))
+
+
+# -------------------------------------------------------------------------------------------- strict JSON
+
+def _strict(text):
+    def bad(tok):
+        raise ValueError(f"non-standard JSON token {tok}")
+
+    return json.loads(text, parse_constant=bad)
+
+
+def test_jsonable_writes_non_finite_as_strings(tmp_path):
+    from divergence.train.metrics import write_json
+
+    write_json(tmp_path / "x.json", {"a": float("inf"), "b": [np.float64("nan"), -math.inf], "c": np.arange(2)})
+    assert _strict((tmp_path / "x.json").read_text()) == {"a": "inf", "b": ["nan", "-inf"], "c": [0, 1]}
+
+
+def test_every_json_file_of_a_run_parses_strictly(tmp_path):
+    """A candidate that turns NaN puts non-finite numbers into metrics, distances and the verdict: every .json
+    and .jsonl file of the run must still parse with a parser that rejects NaN and Infinity."""
+    from divergence.cli import main
+
+    cand = tmp_path / "nan.py"
+    cand.write_text("import torch\nimport torch.nn.functional as F\n"
+                    "def run(gate, up):\n"
+                    "    return (F.silu(gate.float()) * up.float() * float('nan')).to(gate.dtype)\n")
+    out = tmp_path / "r"
+    code = main(["ab", "--kernel", "swiglu", "--candidate", str(cand), "--optimizers", "sgd", "--recipe",
+                 str(_tiny_with(tmp_path, steps=10)), "--out", str(out), "--no-probe"])
+    assert code == 1
+    files = list(out.rglob("*.json")) + list(out.rglob("*.jsonl"))
+    assert len(files) >= 6
+    for f in files:
+        text = f.read_text()
+        if f.suffix == ".jsonl":
+            for line in text.splitlines():
+                if line.strip():
+                    _strict(line)
+        else:
+            _strict(text)
+
+
+def test_clopper_pearson_of_the_calibration_script():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calibrate import clopper_pearson
+
+    lo, hi = clopper_pearson(0, 40)
+    assert lo == 0 and hi == pytest.approx(1 - 0.025 ** (1 / 40), rel=1e-6)  # 0.0881: the rule of three's exact form
+    lo, hi = clopper_pearson(5, 10)
+    assert lo == pytest.approx(0.1871, abs=1e-4) and hi == pytest.approx(0.8129, abs=1e-4)
