@@ -1,6 +1,7 @@
 """`run_probe`: one candidate against its float64 oracle across every input family of its slot.
 
-Per family: the candidate runs on copies of the inputs (guarded: an exception is a finding), then the checks of
+Per family, in a worker process under a watchdog (isolate.py: a crash or a hang is a finding, and the sweep goes on
+in a fresh worker): the candidate runs on copies of the inputs (guarded: an exception is a finding), then the checks of
 checks.py: inputs not modified, every output element written (NaN sentinel), no NaN/Inf, error within RATIO x the
 reference's own error plus a rounding floor, overall and on the most frequent rows of a scatter output. On the
 `deep` families also: determinism (three runs on fresh copies of one input agree within rounding) and no caching
@@ -48,17 +49,19 @@ def resolve_device(device: Optional[str]) -> str:
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
-              echo: Optional[Callable] = None) -> dict:
+              echo: Optional[Callable] = None, limits=None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
     Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
-    seed is chosen, so a run that dies midway can still be repeated.
+    candidate has loaded, so a run that dies midway can still be repeated; `limits` (isolate.Limits): the
+    watchdog's, default isolate.DEFAULT.
     """
-    from ..slots import SLOTS, resolve
+    from ..slots import SLOTS
+    from . import isolate
 
-    impl = resolve(slot, candidate_spec)  # CandidateError (exit 2) for a spec that does not load
-    contract = SLOTS[slot]
+    if slot not in SLOTS:
+        raise UserError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
     device = resolve_device(device)
     seed = fresh_seed() if seed is None else int(seed)
     fams, notes = slot_families(slot, device)
@@ -69,11 +72,12 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
                             f"{slot}; known: {', '.join(f.name for f in fams)}")
         fams = [f for f in fams if f.name in only]
     budget = BUDGET_S[device] if budget_s is None else budget_s
-    destination = impl.meta.get("convention") == "destination"
     t0 = time.perf_counter()
-    if echo:
-        echo(f"probe {slot} <- {impl.name} ({impl.origin}), seed {seed} (repeat with --seed {seed}), "
-             f"device {device}, {len(fams)} input families")
+
+    def loaded(impl):
+        if echo:
+            echo(f"probe {slot} <- {impl['name']} ({impl['origin']}), seed {seed} (repeat with --seed {seed}), "
+                 f"device {device}, {len(fams)} input families")
 
     threads = torch.get_num_threads()
     if device == "cpu":
@@ -81,7 +85,9 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         # threads made the embedding sweep 10-20x slower (20 s vs 1.2-2.8 s at load 6.5, measured).
         torch.set_num_threads(1)
     try:
-        findings, ran, notes = _sweep(contract, impl, fams, seed, device, budget, destination, notes)
+        # The candidate runs in a worker process under a watchdog (isolate.py); this process never imports it.
+        impl, findings, ran, notes = isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes,
+                                                   Path(out_dir) / "worker.log", limits, on_loaded=loaded)
     finally:
         torch.set_num_threads(threads)
     wall = time.perf_counter() - t0
@@ -89,8 +95,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     findings.sort(key=lambda f: checks.CHECKS.index(f["check"]))
     result = {
         "slot": slot,
-        "candidate": {"spec": candidate_spec, "name": impl.name, "role": impl.role, "origin": impl.origin,
-                      "convention": impl.meta.get("convention", "returning"), "sha256": impl.sha256},
+        "candidate": {"spec": candidate_spec, **impl},
         "expected": _expected(candidate_spec),
         "seed": seed,
         "device": device,
@@ -106,35 +111,6 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     (out_dir / "probe.json").write_text(json.dumps(_jsonable(result), indent=1, allow_nan=False) + "\n")
     result["path"] = str(out_dir / "probe.json")
     return result
-
-
-def _sweep(contract, impl, fams, seed, device, budget, destination, notes) -> tuple:
-    """Every family in turn, within the time budget: (findings, per-family records, notes)."""
-    findings, ran, notes = [], [], list(notes)
-    t0 = time.perf_counter()
-    for i, fam in enumerate(fams):
-        if i and time.perf_counter() - t0 > budget:  # at least one family, whatever the budget
-            notes.append(f"time budget of {budget:g} s spent: families {', '.join(f.name for f in fams[i:])} "
-                         "not run")
-            break
-        tf = time.perf_counter()
-        try:
-            got = _probe_family(contract, impl, fam, seed, device, destination)
-            stop = False
-        except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
-            got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
-                                                     f"{checks.one_line(e, contract.name)}")]
-            stop = any(m in str(e) for m in ("CUDA error", "device-side assert", "illegal memory access"))
-        for f in got:
-            findings.append({"check": f["check"], "family": fam.name, "shape": fam.shape_str(), "seed": seed,
-                             "error": f["error"], "allowed": f["allowed"], "detail": f["detail"],
-                             "output": f["output"]})
-        ran.append({"family": fam.name, "shape": fam.shape_str(), "deep": fam.deep,
-                    "seconds": round(time.perf_counter() - tf, 3), "findings": len(got)})
-        if stop:
-            notes.append("stopped after a CUDA error: later families not run")
-            break
-    return findings, ran, notes
 
 
 def _probe_family(contract, impl, fam, seed, device, destination) -> list:
@@ -221,14 +197,14 @@ def _clone(inputs) -> tuple:
 
 
 def _merge_exceptions(findings: list) -> list:
-    """One line per distinct exception: a kernel that refuses a width raises in every family, and the table says
-    so once ("candidate only supports hidden=4096 ... (also in 9 more families)")."""
+    """One line per distinct exception (crash, timeout): a kernel that refuses a width raises in every family,
+    and the table says so once ("candidate only supports hidden=4096 ... (also in 9 more families)")."""
     out, seen = [], {}
     for f in findings:
-        if f["check"] != "exception":
+        if f["check"] not in ("exception", "crash", "timeout"):
             out.append(f)
             continue
-        key = re.sub(r"\d+(\.\d+)?", "N", f["detail"])
+        key = f["check"] + re.sub(r"\d+(\.\d+)?", "N", f["detail"])
         if key in seen:
             seen[key]["families"].append(f["family"])
             continue
