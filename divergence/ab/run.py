@@ -59,7 +59,10 @@ def write_plan(folder: Path, slot: str, cand: str, recipe, opts, overrides: dict
 
 def cmd_ab(args) -> int:
     from ..data import load_corpus
-    from ..slots import SLOTS, resolve
+    from types import SimpleNamespace
+
+    from ..probe.isolate import load_meta
+    from ..slots import SLOTS
     from ..train.arm import model_vocab, resolve_device
 
     if args.resume:
@@ -84,7 +87,9 @@ def cmd_ab(args) -> int:
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)
         check_optimizers(opts, recipe, "--optimizers")
-    impl = resolve(slot, cand)  # loads and checks the candidate's signature before any training
+    # Loads and checks the candidate's signature before any training, in a child process: this one never runs
+    # candidate code, so an import that crashes or hangs is one line (exit 2), not the end of `ab`.
+    impl = SimpleNamespace(**load_meta(slot, cand, "cpu"))
     if not args.resume:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")
@@ -99,10 +104,10 @@ def cmd_ab(args) -> int:
             # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            probing = pool.submit(_preflight, slot, cand, out)
+            probing = pool.submit(_preflight, slot, cand, out, recipe)
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
-            probe = _preflight(slot, cand, out)
+            probe = _preflight(slot, cand, out, recipe)
 
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
@@ -137,10 +142,16 @@ def cmd_ab(args) -> int:
     return {"PASS": 0, "ERROR": 2}.get(result["verdict"], 1)
 
 
-def _preflight(slot, cand, out):
-    from ..probe import run_probe
+def _preflight(slot, cand, out, recipe):
+    from dataclasses import replace
 
-    res = run_probe(slot, cand, out_dir=out / "probe")
+    from ..probe import run_probe
+    from ..probe.isolate import DEFAULT
+
+    # A probe family is a handful of op calls, a training step dozens: no family may outlast the recipe's step
+    # timeout, so a hanging candidate ends the probe within the recipe's timeouts too.
+    limits = replace(DEFAULT, family_s=min(DEFAULT.family_s, recipe.ab.step_timeout_s))
+    res = run_probe(slot, cand, out_dir=out / "probe", limits=limits)
     print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))", flush=True)
     return res
 
@@ -192,7 +203,8 @@ def _lockstep_failure(ref_dir: Path):
     if not p.exists():
         return None
     st = json.loads(p.read_text())
-    return {"wrong": False, "failed": f"{st.get('status')}: {st.get('error')}", "first_wrong_step": None}
+    return {"wrong": False, "failed": f"{st.get('status')}: {st.get('error')}", "status": st.get("status"),
+            "first_wrong_step": None}
 
 
 def _null_spread(null_d: list) -> dict:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..candidates.contain import die_with_parent
 from ..train.metrics import write_json
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
@@ -73,6 +74,8 @@ def split_finished(jobs) -> tuple:
         st = arm_status(job.out_dir)
         if st and st.get("status") in DONE:
             done[job.key] = st
+        elif job.fallback is not None and (Path(job.out_dir) / "lockstep_failed.json").exists():
+            todo.append(Job(job.key, job.out_dir, job.fallback, recipe=job.recipe))  # the candidate crashed it once
         else:
             todo.append(job)
     return done, todo
@@ -83,6 +86,7 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Own process group, so a kill reaches whatever the candidate started; quiet progress bars, one thread.
     os.setsid()
+    die_with_parent()  # out of the parent's group, so a `kill -9` of the A/B must reach the arm this way
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     log = open(Path(out_dir) / "stdout.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)  # at the descriptor level: a segfault's dump and C++ prints land in the log too

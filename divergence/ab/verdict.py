@@ -114,6 +114,11 @@ def combine(per_opt: dict) -> dict:
     """
     for v in per_opt.values():
         ls = v.get("lockstep") or {}
+        if ls.get("status") in ("CRASH", "TIMEOUT") and SEVERITY.index(ls["status"]) > SEVERITY.index(v["verdict"]):
+            # The candidate took the reference arm's process down from inside the lockstep check; the reference
+            # was trained again without it (ab/runner.py), so the A/B stands, but the candidate crashed or hung.
+            v["verdict"] = ls["status"]
+            v["detail"] = f"in the lockstep check on the reference arm's live inputs: {ls['failed']}"
         if ls.get("mutated_input"):
             ls["wrong"] = True
             if v["verdict"] == "PASS":

@@ -19,6 +19,7 @@ A spawned (CUDA) worker builds them itself, on its own device.
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import sys
@@ -29,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from ..candidates import globalstate
 from ..candidates.contain import describe_exit, die_with_parent, kill_group
 from ..errors import CandidateError
 
@@ -182,6 +184,8 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
                           "convention": impl.meta.get("convention", "returning")}))
     contract = SLOTS[slot]
     destination = impl.meta.get("convention") == "destination"
+    watch = _Watch(impl.fn, contract, device)
+    impl = dataclasses.replace(impl, fn=watch)
     while True:
         try:
             msg = conn.recv()
@@ -196,15 +200,60 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
         conn.send(("prepared", sum(x.numel() for x in case.inputs if isinstance(x, torch.Tensor))))
         t = time.perf_counter()
         fatal = False
+        state = globalstate.snapshot()
+        watch.first = True
         try:
-            got = _probe_family(contract, impl, fam, seed, device, destination)
+            got = _probe_family(contract, impl, fam, seed, device, destination) + watch.findings
         except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
             got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
                                                      f"{checks.one_line(e, slot)}")]
             fatal = any(m in str(e) for m in ("CUDA error", "device-side assert", "illegal memory access"))
+        what = globalstate.changed(state, globalstate.snapshot())
+        if what:  # reported, and put back: the next family must not run under the candidate's settings
+            got.append(checks._finding("global_state", None, globalstate.describe(what)))
+            globalstate.restore(state)
         conn.send(("done", got, time.perf_counter() - t, fatal))
         if fatal:  # a CUDA context the candidate broke cannot be trusted: the next family gets a fresh worker
             os._exit(0)
+
+
+WATCH_S = 0.02  # how long after its first call in a family the candidate's tensors are watched for late writes
+
+
+class _Watch:
+    """The candidate's function, watched: after its first call in each family, its outputs and inputs are read
+    again WATCH_S later (device synchronised, every stream) and must not have changed. A kernel still running on
+    another stream, or a thread the candidate left writing, changes them after the call returned: what the
+    harness measured was not what training would get. A write later than WATCH_S goes unseen (README)."""
+
+    def __init__(self, fn, contract, device):
+        self.fn, self.contract, self.device = fn, contract, device
+        self.first, self.findings = True, []
+
+    def __call__(self, *inputs, **ctx):
+        from ..slots.contract import as_tuple
+
+        out = self.fn(*inputs, **ctx)
+        if not self.first:
+            return out
+        self.first, self.findings = False, []
+        # Outputs are read on the current stream (what the next op in training would see); inputs as they are.
+        named = [(n, x) for n, x in zip(self.contract.outputs, as_tuple(out))] + \
+                [(n, x) for n, x in zip(self.contract.inputs, inputs)]
+        named = [(n, x) for n, x in named if isinstance(x, torch.Tensor)]
+        # No synchronisation first: the copies are ordered after the candidate's work on the current stream only,
+        # so a write from another stream (or a thread) that lands later shows as a difference.
+        seen = [x.clone() for _, x in named]
+        time.sleep(WATCH_S)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        for (name, x), was in zip(named, seen):
+            if not torch.equal(x.nan_to_num(), was.nan_to_num()):
+                kind = "output" if name in self.contract.outputs else "input"
+                self.findings.append({"check": "late_write", "output": name, "error": None, "allowed": None,
+                                      "detail": f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the "
+                                                "candidate returned (a kernel or thread still writing)"})
+        return out
 
 
 def load_meta(slot: str, spec, device: str, limits: Limits = DEFAULT) -> dict:

@@ -197,11 +197,11 @@ def _clone(inputs) -> tuple:
 
 
 def _merge_exceptions(findings: list) -> list:
-    """One line per distinct exception (crash, timeout): a kernel that refuses a width raises in every family,
+    """One line per distinct exception (crash, timeout, global state, late write): a kernel that refuses a width raises in every family,
     and the table says so once ("candidate only supports hidden=4096 ... (also in 9 more families)")."""
     out, seen = [], {}
     for f in findings:
-        if f["check"] not in ("exception", "crash", "timeout"):
+        if f["check"] not in ("exception", "crash", "timeout", "global_state", "late_write"):
             out.append(f)
             continue
         key = f["check"] + re.sub(r"\d+(\.\d+)?", "N", f["detail"])
