@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .ab.compare import bucket_rows
+from .candidates import globalstate
 from .slots import SLOTS, resolve
 from .slots.contract import as_tuple, oracle_inputs
 
@@ -75,6 +76,7 @@ class Lockstep:
         self.mutation = None  # device flags, one per tensor input: did the candidate write into it (no sync per step)
         self.tensor_names = None  # those inputs' names, from the first check (scalars such as eps have no flag)
         self.error = None  # the candidate raised on live inputs: recorded once, checking stops
+        self.global_state = None  # what the candidate changed of torch's global state (first time), put back
         # The error metrics are the harness's own code: under `train.compile` they run as one compiled graph (about
         # 100 small kernels a check otherwise). The candidate and the oracle run as written (compiling the embedding
         # oracle with them failed to build in Triton 3.6 on the H200, 2026-11-21).
@@ -110,7 +112,14 @@ class Lockstep:
     def _check(self, inputs, ref_out) -> torch.Tensor:
         ctx = {k: self.kernels.context[k] for k in self.contract.context}
         fresh = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-        cand = as_tuple(self.impl.fn(*fresh, **ctx))
+        state = globalstate.snapshot()  # the candidate must not change this arm's own training (globalstate.py)
+        try:
+            cand = as_tuple(self.impl.fn(*fresh, **ctx))
+        finally:
+            what = globalstate.changed(state, globalstate.snapshot())
+            if what:
+                globalstate.restore(state)
+                self.global_state = self.global_state or globalstate.describe(what)
         # Did the candidate write into an input? Bitwise comparison with the untouched original (NaN-safe in one
         # kernel per input); device flags, read once at the end.
         if self.tensor_names is None:
@@ -209,6 +218,7 @@ class Lockstep:
             "worst_err_candidate": worst[2] if worst else None,
             "worst_err_reference": worst[3] if worst else None,
             "mutated_input": self._mutated_input(),
+            "global_state": self.global_state,
             "compiled_metrics": self.compiled,
             "compile_fallback": self.compile_fallback,
             "error": self.error,

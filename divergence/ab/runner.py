@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..candidates.contain import die_with_parent
+from ..candidates.contain import describe_exit, die_with_parent, last_words
 from ..train.metrics import write_json
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
@@ -191,10 +191,9 @@ def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, 
             _kill(proc)  # processes the candidate left behind in the arm's group
             st = arm_status(job.out_dir) or {}
             if st.get("status") not in DONE:
-                code = proc.exitcode
-                why = f"signal {-code}" if code and code < 0 else f"exit code {code}"
-                st = _finish(job, "CRASH", f"arm process died ({why}) before finishing: "
-                                           f"{_last_line(job.out_dir)}")
+                said = last_words(Path(job.out_dir) / "stdout.log")
+                st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
+                                           + (f": {said}" if said else ""))
             else:
                 _record_process_s(job, st, now - t0)
             del running[key]
@@ -232,14 +231,6 @@ def _kill(proc):
     except (ProcessLookupError, PermissionError):
         proc.kill()
     proc.join(5)
-
-
-def _last_line(out_dir) -> str:
-    p = Path(out_dir) / "stdout.log"
-    if not p.exists():
-        return "no output"
-    lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "no output"
 
 
 def _finish(job, status, error) -> dict:

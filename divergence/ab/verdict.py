@@ -119,6 +119,11 @@ def combine(per_opt: dict) -> dict:
             # was trained again without it (ab/runner.py), so the A/B stands, but the candidate crashed or hung.
             v["verdict"] = ls["status"]
             v["detail"] = f"in the lockstep check on the reference arm's live inputs: {ls['failed']}"
+        if ls.get("global_state"):
+            ls["wrong"] = True
+            if v["verdict"] == "PASS":
+                v["verdict"] = "WRONG"
+                v["detail"] = ls["global_state"] + ", seen on live inputs"
         if ls.get("mutated_input"):
             ls["wrong"] = True
             if v["verdict"] == "PASS":

@@ -48,3 +48,19 @@ def kill_group(proc, wait_s: float = 5.0) -> None:
         except Exception:
             pass
     proc.join(wait_s)
+
+
+_FATAL = ("Fatal Python error", "Segmentation fault", "terminate called", "Aborted", "CUDA error",
+          "RuntimeError", "Error:")
+
+
+def last_words(path) -> str:
+    """The last line of a dead child's log that says what killed it (a fatal error, an exception), or ''.
+    Banners (Lightning's tips) and progress lines are not an explanation."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    said = [ln for ln in lines if any(m in ln for m in _FATAL)]
+    return said[-1][:200] if said else ""

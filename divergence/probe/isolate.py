@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..candidates import globalstate
-from ..candidates.contain import describe_exit, die_with_parent, kill_group
+from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ..errors import CandidateError
 
 
@@ -52,6 +52,9 @@ class Limits:
 
 
 DEFAULT = Limits()
+# Families lost in a row (crash or timeout) before the sweep stops: a candidate that hangs everywhere costs
+# 3 x the family limit, not the whole budget, and on CUDA each lost worker costs a fresh process (seconds).
+MAX_DEAD = 3
 
 
 class WorkerDied(Exception):
@@ -139,14 +142,8 @@ class Worker:
 
 
 def _last_line(log: Path) -> str:
-    """The worker's last line of output (a fatal error's first words), for a crash's detail."""
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    fatal = [ln for ln in lines if ln.startswith(("Fatal Python error", "Segmentation fault", "terminate called"))]
-    last = (fatal or lines or [""])[-1][:200]
-    return f"; its last output: {last}" if last else ""
+    said = last_words(log)
+    return f"; its last output: {said}" if said else ""
 
 
 def _serve(conn, slot, spec, device, seed, fams, names, log_path):
@@ -289,21 +286,27 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     if on_loaded:
         on_loaded(meta)
     t0 = time.perf_counter()
+    dead = 0  # workers lost in a row
     try:
         for i, fam in enumerate(fams):
             if i and time.perf_counter() - t0 > budget:  # at least one family, whatever the budget
                 notes.append(f"time budget of {budget:g} s spent: families {', '.join(f.name for f in fams[i:])} "
                              "not run")
                 break
+            if dead >= MAX_DEAD:
+                notes.append(f"the candidate crashed or hung in {dead} families in a row: families "
+                             f"{', '.join(f.name for f in fams[i:])} not run")
+                break
             tf = time.perf_counter()
             try:
                 if worker is None:
                     worker = Worker(slot, spec, device, seed, fams, log, limits)
                 got, _, fatal = worker.family(i, 2 * 3 if fam.deep else 1)
+                dead = 0
                 if fatal:
                     worker = None
             except WorkerDied as e:
-                worker = None
+                worker, dead = None, dead + 1
                 # The table names the family and shape; identical details merge into one line (run.py).
                 got = [{"check": e.kind, "output": None, "error": None, "allowed": None,
                         "detail": f"{e.why}; later families ran in a fresh process"}]
