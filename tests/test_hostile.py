@@ -128,6 +128,25 @@ def test_a_hang_is_a_timeout_and_the_next_family_runs(tmp_path):
     assert time.time() - t0 < 20
 
 
+def test_the_spawned_worker_of_cuda_runs_on_the_cpu_too(tmp_path, monkeypatch):
+    """On CUDA the worker is spawned (a fork cannot carry a CUDA context) and builds its own inputs: the same
+    path, forced here on the CPU."""
+    import multiprocessing as mp
+
+    from divergence.probe import isolate
+
+    monkeypatch.setattr(isolate, "_context", lambda device: (mp.get_context("spawn"), False))
+    spec = tmp_path / "exit_odd.py"
+    spec.write_text("import os\nfrom divergence.slots.swiglu import reference\n"
+                    "def run(gate, up):\n    if gate.shape[0] == 37:\n        os._exit(9)\n"
+                    "    return reference(gate, up)\n")
+    res = run_probe("swiglu", str(spec), tmp_path / "p", seed=1, limits=FAST, only=["contract", "odd", "batch-1"])
+    assert [(f["check"], f["family"]) for f in res["findings"]] == [("crash", "odd")]
+    assert "exit code 9" in res["findings"][0]["detail"] and len(res["families"]) == 3
+    ref = run_probe("swiglu", "zoo:swiglu_global_state", tmp_path / "q", seed=1, limits=FAST, only=["contract"])
+    assert {f["check"] for f in ref["findings"]} == {"global_state"}
+
+
 def test_cli_probe_of_a_crashing_candidate_writes_probe_json_and_exits_1(tmp_path, capsys):
     assert main(["probe", "--kernel", "swiglu", "--candidate", candidate(tmp_path, "os_exit"), "--seed", "1",
                  "--out", str(tmp_path / "p"), "--families", "contract,odd"]) == 1
@@ -283,3 +302,35 @@ def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path):
     except FileNotFoundError:
         state = "gone"
     assert state in ("gone", "Z"), f"the probe's worker {pid} is still running (state {state})"
+
+
+# ---------------------------------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+def test_a_cuda_error_in_one_family_leaves_the_others_to_a_fresh_worker(tmp_path):
+    """A device-side assert poisons the worker's CUDA context: that family's finding, then a fresh worker (before
+    issue 16 the probe stopped there: "later families not run")."""
+    spec = tmp_path / "oob.py"
+    spec.write_text("import torch\nfrom divergence.slots.swiglu import reference\ndef run(gate, up):\n"
+                    "    if gate.shape[0] == 37:\n"
+                    "        gate.view(-1)[torch.tensor([1 << 40], device=gate.device)].sum().item()\n"
+                    "    return reference(gate, up)\n")
+    res = run_probe("swiglu", str(spec), tmp_path / "p", seed=1, device="cuda",
+                    only=["contract", "odd", "batch-1"])
+    assert {f["family"] for f in res["findings"]} == {"odd"}, res["findings"]
+    assert [r["family"] for r in res["families"]] == ["contract", "odd", "batch-1"]
+    for f in res["findings"]:
+        one_line(f["detail"])
+
+
+@pytest.mark.gpu
+def test_an_input_written_on_another_stream_after_returning_is_found(tmp_path):
+    spec = tmp_path / "side_stream.py"
+    spec.write_text("import torch\nfrom divergence.slots.swiglu import reference\n_S = []\ndef run(gate, up):\n"
+                    "    out = reference(gate, up)\n    _S.append(_S[0] if _S else torch.cuda.Stream())\n"
+                    "    with torch.cuda.stream(_S[0]):\n        torch.cuda._sleep(2_000_000)  # ~1 ms, then the write\n"
+                    "        up.mul_(0.5)\n    return out\n")
+    res = run_probe("swiglu", str(spec), tmp_path / "p", seed=1, device="cuda", only=["contract", "odd"])
+    got = {f["check"] for f in res["findings"]}
+    assert got & {"late_write", "mutated_input"}, res["findings"]

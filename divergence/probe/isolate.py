@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -81,8 +82,10 @@ class Worker:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         ctx, forked = _context(device)
         self.conn, child = ctx.Pipe()
-        # A forked worker inherits the family objects (closures, not picklable); a spawned one rebuilds them by name.
-        self.proc = ctx.Process(target=_serve, args=(child, slot, spec, device, seed, fams if forked else None,
+        # A forked worker inherits the family objects; a spawned one gets them pickled where they pickle, and
+        # otherwise (the built-in families are closures) rebuilds them by name.
+        self.proc = ctx.Process(target=_serve, args=(child, slot, spec, device, seed,
+                                                     fams if forked or _picklable(fams) else None,
                                                      [f.name for f in fams], str(self.log)), daemon=False)
         self.proc.start()
         child.close()
@@ -141,6 +144,14 @@ class Worker:
         self.conn.close()
 
 
+def _picklable(x) -> bool:
+    try:
+        pickle.dumps(x)
+        return True
+    except Exception:
+        return False
+
+
 def _last_line(log: Path) -> str:
     said = last_words(log)
     return f"; its last output: {said}" if said else ""
@@ -176,6 +187,11 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
         from .inputs import families
 
         by_name = {f.name: f for f in families(slot, device)[0]}
+        missing = [n for n in names if n not in by_name]
+        if missing:  # a family built from the caller's arguments: it cannot be rebuilt here
+            conn.send(("load_error", f"{slot}: probe families {', '.join(missing)} cannot be rebuilt in a spawned "
+                                     "worker (not picklable, not built in)"))
+            return
         fams = [by_name[n] for n in names]
     conn.send(("loaded", {"name": impl.name, "role": impl.role, "origin": impl.origin, "sha256": impl.sha256,
                           "convention": impl.meta.get("convention", "returning")}))
@@ -198,13 +214,15 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
         t = time.perf_counter()
         fatal = False
         state = globalstate.snapshot()
-        watch.first = True
+        watch.first, watch.findings = True, []
         try:
             got = _probe_family(contract, impl, fam, seed, device, destination) + watch.findings
         except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
             got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
                                                      f"{checks.one_line(e, slot)}")]
-            fatal = any(m in str(e) for m in ("CUDA error", "device-side assert", "illegal memory access"))
+            fatal = any(m in str(e) for m in _CUDA_FATAL)
+        # A CUDA error the candidate raised (and the probe recorded) leaves the context unusable all the same.
+        fatal = fatal or any(m in (f.get("detail") or "") for f in got for m in _CUDA_FATAL)
         what = globalstate.changed(state, globalstate.snapshot())
         if what:  # reported, and put back: the next family must not run under the candidate's settings
             got.append(checks._finding("global_state", None, globalstate.describe(what)))
@@ -214,12 +232,15 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
             os._exit(0)
 
 
-WATCH_S = 0.02  # how long after its first call in a family the candidate's tensors are watched for late writes
+# How long after its first call in a family the candidate's tensors are watched for late writes: 14 families x
+# 10 ms = 0.14 s per sweep; the battery's writers (a thread writing every 1 ms, or once after 2 ms) are seen.
+WATCH_S = 0.01
+_CUDA_FATAL = ("CUDA error", "device-side assert", "illegal memory access")
 
 
 class _Watch:
     """The candidate's function, watched: after its first call in each family, its outputs and inputs are read
-    again WATCH_S later (device synchronised, every stream) and must not have changed. A kernel still running on
+    again WATCH_S later (then with the device synchronised, every stream) and must not have changed. A kernel still running on
     another stream, or a thread the candidate left writing, changes them after the call returned: what the
     harness measured was not what training would get. A write later than WATCH_S goes unseen (README)."""
 
@@ -233,7 +254,7 @@ class _Watch:
         out = self.fn(*inputs, **ctx)
         if not self.first:
             return out
-        self.first, self.findings = False, []
+        self.first = False
         # Outputs are read on the current stream (what the next op in training would see); inputs as they are.
         named = [(n, x) for n, x in zip(self.contract.outputs, as_tuple(out))] + \
                 [(n, x) for n, x in zip(self.contract.inputs, inputs)]

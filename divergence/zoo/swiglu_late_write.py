@@ -3,7 +3,7 @@
 Models: a kernel that launches its last pass on a side stream (or a host thread) and returns without waiting for
 it: the caller reads the output while it is still changing. Here a thread the call starts keeps scaling the
 output for 50 ms after the call has returned, so what a verifier reads depends on when it looks.
-Caught by: the probe's late write check (outputs re-read 20 ms after the first call of each family); the
+Caught by: the probe's late write check (outputs re-read 10 ms after the first call of each family); the
 storage checks see the moving values as nondeterminism; in training, wrong activations.
 """
 import threading
