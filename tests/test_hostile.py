@@ -43,7 +43,7 @@ HOSTILE = {
     "global_dtype_and_flags": ("import torch\ndef run(gate, up):\n    torch.set_default_dtype(torch.float64)\n"
                                "    torch.use_deterministic_algorithms(True)\n    return reference(gate, up)\n",
                                {"global_state"}),
-    # Right for 30 calls: more than the probe's swiglu sweep makes (14), far fewer than tiny training (80+).
+    # Right for 30 calls: more than the probe's swiglu sweep makes (13), far fewer than tiny training (80+).
     "corrupts_after_30": ("_n = [0]\ndef run(gate, up):\n    _n[0] += 1\n"
                           "    return reference(gate, up) * (1.02 if _n[0] > 30 else 1.0)\n", None),
     # Finds the reference's answer among the process's tensors (a 4-element spot check), else returns garbage. The
@@ -143,8 +143,6 @@ def test_the_spawned_worker_of_cuda_runs_on_the_cpu_too(tmp_path, monkeypatch):
     res = run_probe("swiglu", str(spec), tmp_path / "p", seed=1, limits=FAST, only=["contract", "odd", "batch-1"])
     assert [(f["check"], f["family"]) for f in res["findings"]] == [("crash", "odd")]
     assert "exit code 9" in res["findings"][0]["detail"] and len(res["families"]) == 3
-    ref = run_probe("swiglu", "zoo:swiglu_global_state", tmp_path / "q", seed=1, limits=FAST, only=["contract"])
-    assert {f["check"] for f in ref["findings"]} == {"global_state"}
 
 
 def test_cli_probe_of_a_crashing_candidate_writes_probe_json_and_exits_1(tmp_path, capsys):

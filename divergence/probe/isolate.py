@@ -203,9 +203,12 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
         try:
             msg = conn.recv()
         except EOFError:
-            return
+            msg = ("stop",)
         if msg[0] != "family":
-            return
+            # No interpreter teardown: threads the candidate left running would hold it up, and there is nothing
+            # to save.
+            sys.stdout.flush()
+            os._exit(0)
         fam = fams[msg[1]]
         case = _prepared(contract, fam, seed, device)[0]
         if fam.deep:
