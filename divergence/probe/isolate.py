@@ -39,10 +39,10 @@ from ..errors import CandidateError
 @dataclass(frozen=True)
 class Limits:
     """How long the watchdog waits. A family's limit is `family_s + per_melement_s x (input elements / 1e6) x
-    calls` (1 call, or 6 on a deep family). Measured 2026-11-23 on the 2-core CPU machine (torch 2.13): the
-    slowest default family of any zoo member took 0.6 s (embed_bf16_accum, which rounds in Python-sized steps), so
-    30 s leaves a slow but honest kernel room 50x over; on CUDA the first call of a Triton kernel compiles it
-    (~5 s on the H200)."""
+    calls` (1 call, or 6 on a deep family). Measured 2026-11-23 on the 2-core CPU machine (torch 2.13, load
+    average 6-8 from other work): the slowest default family of any CPU zoo member took 1.3 s (softcap_wrong_cap,
+    long-seq: 4.2M scores), so 30 s leaves a slow but honest kernel 20x room; on CUDA the first call of a Triton
+    kernel compiles it (~5 s on the H200, README)."""
     family_s: float = 30.0  # base per family
     per_melement_s: float = 2.0  # per million input elements per call
     load_s: float = 600.0  # starting the worker and importing the candidate (a CUDA C++ source compiles here)
