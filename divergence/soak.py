@@ -126,7 +126,10 @@ def cmd_soak(args) -> int:
     from .ab.runner import run_jobs
     from .data import load_corpus
     from .recipe import load_recipe
-    from .slots import SLOTS, resolve
+    from types import SimpleNamespace
+
+    from .probe.isolate import load_meta
+    from .slots import SLOTS
     from .train.arm import model_vocab, resolve_device
 
     if args.resume:
@@ -151,7 +154,9 @@ def cmd_soak(args) -> int:
     for i, cand in enumerate(soak["candidates"]):
         if cand["kernel"] not in SLOTS:
             raise UserError(f"{soak['path']}: candidates[{i}].kernel: unknown slot {cand['kernel']!r}")
-        impl = resolve(cand["kernel"], cand["candidate"])  # every candidate loads before anything trains
+        # Every candidate loads before anything trains, each in a child process (probe/isolate.py): the soak's
+        # own process never runs candidate code.
+        impl = SimpleNamespace(**load_meta(cand["kernel"], cand["candidate"], "cpu"))
         label = _label(i, cand)
         for seed in soak["seeds"]:
             recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})
