@@ -153,10 +153,13 @@ def test_cli_probe_of_a_crashing_candidate_writes_probe_json_and_exits_1(tmp_pat
     assert json.loads((tmp_path / "p" / "probe.json").read_text())["findings"][0]["check"] == "crash"
 
 
-def test_a_candidate_that_dies_while_importing_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("verb", ["probe", "ab"])
+def test_a_candidate_that_dies_while_importing_is_one_line(verb, tmp_path, capsys):
+    """Loading happens in a child process (probe/isolate.py: load_meta), for `ab` too: the verb survives it."""
     spec = tmp_path / "dies.py"
     spec.write_text("import os\nos._exit(4)\ndef run(gate, up):\n    return gate\n")
-    assert main(["probe", "--kernel", "swiglu", "--candidate", str(spec), "--out", str(tmp_path / "p")]) == 2
+    extra = ["--recipe", "tiny", "--no-wandb"] if verb == "ab" else []
+    assert main([verb, "--kernel", "swiglu", "--candidate", str(spec), "--out", str(tmp_path / "p"), *extra]) == 2
     err = capsys.readouterr().err.strip()
     one_line(err)
     assert "loading it killed its process" in err and "exit code 4" in err
