@@ -39,7 +39,7 @@ from ..errors import CandidateError
 @dataclass(frozen=True)
 class Limits:
     """How long the watchdog waits. A family's limit is `family_s + per_melement_s x (input elements / 1e6) x
-    calls` (1 call, or 6 on a deep family). Measured 2026-11-23 on the 2-core CPU machine (torch 2.13, load
+    calls` (1 call, or 5 on a deep family). Measured 2026-11-23 on the 2-core CPU machine (torch 2.13, load
     average 6-8 from other work): the slowest default family of any CPU zoo member took 1.3 s (softcap_wrong_cap,
     long-seq: 4.2M scores), so 30 s leaves a slow but honest kernel 20x room; on CUDA the first call of a Triton
     kernel compiles it (~5 s on the H200, README)."""
@@ -53,8 +53,8 @@ class Limits:
 
 
 DEFAULT = Limits()
-# Families lost in a row (crash or timeout) before the sweep stops: a candidate that hangs everywhere costs
-# 3 x the family limit, not the whole budget, and on CUDA each lost worker costs a fresh process (seconds).
+# Families lost in a row (crash or timeout) before the sweep stops: a candidate that hangs everywhere costs at most
+# 3 x the family limit (the time budget may stop it sooner), and on CUDA each lost worker a fresh process.
 MAX_DEAD = 3
 
 
@@ -68,7 +68,7 @@ class WorkerDied(Exception):
 
 def _context(device: str):
     # Fork where it is safe: CPU work in a parent that has not started CUDA (a fresh interpreter costs ~4 s of
-    # imports on this 2-core machine, a fork ~20 ms). CUDA needs a fresh process.
+    # imports on this 2-core machine; a fork plus the candidate's import 0.1 s, measured). CUDA needs a fresh one.
     if device == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized():
         return mp.get_context("fork"), True
     return mp.get_context("spawn"), False
@@ -99,7 +99,7 @@ class Worker:
             if left <= 0:
                 kill_group(self.proc)  # hung: no polite stop, it would not read it
                 self.conn.close()
-                raise WorkerDied("timeout", f"no answer within {limit:g} s")
+                raise WorkerDied("timeout", f"no answer within {limit:g} s ({what})")
             try:
                 ready = self.conn.poll(min(left, 0.5))
                 msg = self.conn.recv() if ready else None
@@ -119,7 +119,10 @@ class Worker:
 
     def family(self, i: int, calls: int) -> tuple:
         """(findings, seconds the candidate's checks took, fatal: the worker has exited) for family i."""
-        self.conn.send(("family", i))
+        try:
+            self.conn.send(("family", i))
+        except OSError:  # it died since the last family (a thread the candidate left behind): _wait says how
+            pass
         (elements,) = self._wait("prepare", self.limits.prepare_s)
         limit = self.limits.family(elements, calls)
         try:
@@ -296,6 +299,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     Findings carry the family, its shape and the seed; `crash` and `timeout` findings are the watchdog's.
     `on_loaded(meta)` is called once the candidate has loaded, before the first family."""
     from ..slots import SLOTS
+    from .run import REPEATS
 
     limits = limits or DEFAULT
     findings, ran, notes = [], [], list(notes)
@@ -325,7 +329,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             try:
                 if worker is None:
                     worker = Worker(slot, spec, device, seed, fams, log, limits)
-                got, _, fatal = worker.family(i, 2 * 3 if fam.deep else 1)
+                got, _, fatal = worker.family(i, REPEATS + 2 if fam.deep else 1)  # runs, reuse, fresh storage
                 dead = 0
                 if fatal:
                     worker = None
