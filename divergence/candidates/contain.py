@@ -4,6 +4,7 @@ A/B arms): the child dies with its parent, and a dead child's exit status is sai
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -22,7 +23,10 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent was already gone before the request took effect
+    # The parent may have died before the request took effect. (Not `getppid() == 1`: in a container the parent
+    # itself can be PID 1.)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
         os._exit(1)
 
 
