@@ -68,7 +68,7 @@ class WorkerDied(Exception):
 
 def _context(device: str):
     # Fork where it is safe: CPU work in a parent that has not started CUDA (a fresh interpreter costs ~4 s of
-    # imports on this 2-core machine; a fork plus the candidate's import 0.1 s, measured). CUDA needs a fresh one.
+    # imports on this 2-core machine; a fork plus the candidate's import 0.02 s, measured). CUDA needs a fresh one.
     if device == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized():
         return mp.get_context("fork"), True
     return mp.get_context("spawn"), False
@@ -238,8 +238,9 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path):
             os._exit(0)
 
 
-# How long after its first call in a family the candidate's tensors are watched for late writes: 14 families x
-# 10 ms = 0.14 s per sweep; the battery's writers (a thread writing every 1 ms, or once after 2 ms) are seen.
+# How long after its first call in a family the candidate's tensors are watched for late writes: 0.5 to 0.9 s
+# over the seven slots' default sweeps (measured, README); the battery's writers (a thread writing every 1 ms, or
+# once after 2 ms) are seen.
 WATCH_S = 0.01
 _CUDA_FATAL = ("CUDA error", "device-side assert", "illegal memory access")
 
