@@ -67,8 +67,8 @@ class WorkerDied(Exception):
 
 
 def _context(device: str):
-    # Fork where it is safe: CPU work in a parent that has not started CUDA (a fresh interpreter costs ~4 s of
-    # imports on this 2-core machine; a fork plus the candidate's import 0.02 s, measured). CUDA needs a fresh one.
+    # Fork where it is safe: CPU work in a parent that has not started CUDA (a spawned interpreter took 3.7 s to
+    # import and load on this 2-core machine, a fork plus the candidate's import 0.02 s). CUDA needs a fresh one.
     if device == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized():
         return mp.get_context("fork"), True
     return mp.get_context("spawn"), False
