@@ -156,7 +156,7 @@ def cmd_soak(args) -> int:
             raise UserError(f"{soak['path']}: candidates[{i}].kernel: unknown slot {cand['kernel']!r}")
         # Every candidate loads before anything trains, each in a child process (probe/isolate.py): the soak's
         # own process never runs candidate code.
-        impl = SimpleNamespace(**load_meta(cand["kernel"], cand["candidate"], "cpu"))
+        impl = SimpleNamespace(**load_meta(cand["kernel"], cand["candidate"]))
         label = _label(i, cand)
         for seed in soak["seeds"]:
             recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})

@@ -89,7 +89,7 @@ def cmd_ab(args) -> int:
         check_optimizers(opts, recipe, "--optimizers")
     # Loads and checks the candidate's signature before any training, in a child process: this one never runs
     # candidate code, so an import that crashes or hangs is one line (exit 2), not the end of `ab`.
-    impl = SimpleNamespace(**load_meta(slot, cand, "cpu"))
+    impl = SimpleNamespace(**load_meta(slot, cand))
     if not args.resume:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")

@@ -1,7 +1,7 @@
 """The probe's candidate calls in a worker process with a watchdog: nothing a candidate does takes the probe down.
 
 One worker per probe, started once and reused family after family (its process start is paid once: forked in
-milliseconds on the CPU, spawned on CUDA, where a fork cannot carry a CUDA context). The worker imports the
+milliseconds on a machine without CUDA, spawned in seconds where there is a GPU, since a fork cannot carry CUDA). The worker imports the
 candidate itself, so the parent never runs candidate code, and runs run.py's `_probe_family` on each family it is
 sent. The parent watches it:
 - a family that does not finish within `Limits.family_s` (a base plus a share per million input elements per
@@ -13,9 +13,9 @@ sent. The parent watches it:
 and in each case the next family runs in a fresh worker. The worker's stdout and stderr (the candidate's prints, a
 segfault's dump) go to `worker.log` beside probe.json.
 
-On the CPU the parent builds every family's inputs, float64 oracle and reference outputs before forking (run.py's
-cache): the worker inherits them without a copy, and probing several candidates with one seed builds them once.
-A spawned (CUDA) worker builds them itself, on its own device.
+Before forking, the parent builds every family's inputs, float64 oracle and reference outputs (run.py's cache):
+the worker inherits them without a copy, and probing several candidates with one seed builds them once. A spawned
+worker builds them itself, on its own device.
 """
 from __future__ import annotations
 
@@ -67,9 +67,10 @@ class WorkerDied(Exception):
 
 
 def _context(device: str):
-    # Fork where it is safe: CPU work in a parent that has not started CUDA (a spawned interpreter took 3.7 s to
-    # import and load on this 2-core machine, a fork plus the candidate's import 0.02 s). CUDA needs a fresh one.
-    if device == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized():
+    # Fork where it is safe: CPU work on a machine without CUDA (a spawned interpreter took 3.7 s to import and
+    # load on this 2-core machine, a fork plus the candidate's import 0.02 s). Where there is a GPU the parent's
+    # `torch.cuda.is_available()` has started the driver, which a forked child cannot use: a fresh process.
+    if device == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_available():
         return mp.get_context("fork"), True
     return mp.get_context("spawn"), False
 
@@ -281,10 +282,12 @@ class _Watch:
         return out
 
 
-def load_meta(slot: str, spec, device: str, limits: Limits = DEFAULT) -> dict:
+def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
     """Load `spec` in a throwaway worker: its name, role, origin, sha256 and convention, or the CandidateError
     it raises; a candidate whose import kills or hangs the process is a CandidateError too (exit 2). The caller
-    never imports candidate code."""
+    never imports candidate code. Forked on a machine without CUDA (0.04 s), spawned where there is one (see
+    _context: a Triton candidate's load asks for the GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         w = Worker(slot, spec, device, 0, [], Path(os.devnull), limits)
     except WorkerDied as e:
