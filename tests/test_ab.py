@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from divergence.detect import distances as compare, verdict
+from divergence.detect.buckets import bucket_rows
 from divergence.cli import main
 from divergence.zoo import ZOO
 
@@ -53,8 +54,8 @@ def test_verdict_schema(bf16_run):
 def test_nulls_differ_from_reference_and_stay_within_each_other(bf16_run, tiny_corpus):
     _, out, v = bf16_run
     ref = out / "sgd" / "reference"
-    d1 = compare.distances(ref, out / "sgd" / "null-1", compare.bucket_rows(tiny_corpus.rank, 1024), 1)
-    d2 = compare.distances(ref, out / "sgd" / "null-2", compare.bucket_rows(tiny_corpus.rank, 1024), 1)
+    d1 = compare.distances(ref, out / "sgd" / "null-1", bucket_rows(tiny_corpus.rank, 1024), 1)
+    d2 = compare.distances(ref, out / "sgd" / "null-2", bucket_rows(tiny_corpus.rank, 1024), 1)
     # Not identical to the reference: they round differently (at this size the bf16 output hides most fp32
     # differences, so the weights, not the gradient norms, are where they show) ...
     for d in (d1, d2):
@@ -123,7 +124,7 @@ def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
     """Two bucket sets alike in their first rows (and sizes) are two memo entries, not one."""
     _, out, _ = bf16_run
     ref, arm = out / "sgd" / "reference", out / "sgd" / "candidate"
-    buckets = compare.bucket_rows(tiny_corpus.rank, 1024)
+    buckets = bucket_rows(tiny_corpus.rank, 1024)
     tail = buckets["tail"]
     other = tail.copy()
     other[-1] = buckets["top-10"][0]  # the most frequent row in place of the rarest: same size, same first rows

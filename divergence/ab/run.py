@@ -21,6 +21,7 @@ from ..overrides import sets_to_overrides
 from ..recipe import default_recipe_name, load_recipe
 from ..train.metrics import write_json
 from ..detect import distances as compare, verdict
+from ..detect.buckets import bucket_rows
 from ..detect.probe.run import default_candidate
 from ..detect.probe.shapes import declared_for
 from . import health
@@ -65,7 +66,9 @@ def cmd_ab(args, publish=None) -> int:
     """`divergence ab`. `publish(out, args, result)` (the report and wandb, from the layer above: cli passes
     report.publish.after_ab) runs once verdict.json is on disk, so it can never lose the verdict."""
     from ..data import load_corpus
-    from ..candidates.resolve import resolve
+    from types import SimpleNamespace
+
+    from ..detect.probe.isolate import load_meta
     from ..slots import SLOTS
     from ..train.arm import model_vocab, resolve_device
 
@@ -108,7 +111,9 @@ def cmd_ab(args, publish=None) -> int:
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)
         check_optimizers(opts, recipe, "--optimizers")
-    impl = resolve(slot, cand)  # loads and checks the candidate's signature before any training
+    # Loads and checks the candidate's signature before any training, in a child process: this one never runs
+    # candidate code, so an import that crashes or hangs is one line (exit 2), not the end of `ab`.
+    impl = SimpleNamespace(**load_meta(slot, cand))
     if not args.resume:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")
@@ -123,10 +128,10 @@ def cmd_ab(args, publish=None) -> int:
             # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            probing = pool.submit(_preflight, slot, cand, out, recipe.shapes)
+            probing = pool.submit(_preflight, slot, cand, out, recipe)
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
-            probe = _preflight(slot, cand, out, recipe.shapes)
+            probe = _preflight(slot, cand, out, recipe)
 
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
@@ -165,10 +170,16 @@ def cmd_ab(args, publish=None) -> int:
     return result["exit_code"]
 
 
-def _preflight(slot, cand, out, shapes=None):
-    from ..detect.probe import run_probe
+def _preflight(slot, cand, out, recipe):
+    from dataclasses import replace
 
-    res = run_probe(slot, cand, out_dir=out / "probe", shapes=shapes or None)
+    from ..detect.probe import run_probe
+    from ..detect.probe.isolate import DEFAULT
+
+    # A probe family is a handful of op calls, a training step dozens: no family may outlast the recipe's step
+    # timeout, so a hanging candidate ends the probe within the recipe's timeouts too.
+    limits = replace(DEFAULT, family_s=min(DEFAULT.family_s, recipe.ab.step_timeout_s))
+    res = run_probe(slot, cand, out_dir=out / "probe", shapes=recipe.shapes or None, limits=limits)
     print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))"
           + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
     return res
@@ -181,7 +192,7 @@ def _cuda() -> bool:
 
 
 def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None) -> dict:
-    buckets = compare.bucket_rows(corpus.rank, vocab)
+    buckets = bucket_rows(corpus.rank, vocab)
     smooth = max(1, recipe.train.steps // 50)
     per_opt, drift_tables = {}, {}
     for opt in opts:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..candidates.contain import describe_exit, die_with_parent, last_words
 from ..train.metrics import write_json
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
@@ -81,6 +82,7 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Own process group, so a kill reaches whatever the candidate started; quiet progress bars, one thread.
     os.setsid()
+    die_with_parent()  # out of the parent's group, so a `kill -9` of the A/B must reach the arm this way
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     log = open(Path(out_dir) / "stdout.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)  # at the descriptor level: a segfault's dump and C++ prints land in the log too
@@ -182,10 +184,9 @@ def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, 
             _kill(proc)  # processes the candidate left behind in the arm's group
             st = arm_status(job.out_dir) or {}
             if st.get("status") not in DONE:
-                code = proc.exitcode
-                why = f"signal {-code}" if code and code < 0 else f"exit code {code}"
-                st = _finish(job, "CRASH", f"arm process died ({why}) before finishing: "
-                                           f"{_last_line(job.out_dir)}")
+                said = last_words(Path(job.out_dir) / "stdout.log")
+                st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
+                                           + (f": {said}" if said else ""))
             else:
                 _record_process_s(job, st, now - t0)
             del running[key]
@@ -223,14 +224,6 @@ def _kill(proc):
     except (ProcessLookupError, PermissionError):
         proc.kill()
     proc.join(5)
-
-
-def _last_line(out_dir) -> str:
-    p = Path(out_dir) / "stdout.log"
-    if not p.exists():
-        return "no output"
-    lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "no output"
 
 
 def _finish(job, status, error) -> dict:

@@ -108,12 +108,14 @@ def _gpus_per_arm(soak: dict, base, device: str) -> float:
 def cmd_soak(args, publish=None) -> int:
     """`divergence soak`. `publish` (report.publish, passed by cli) logs each judged cell and the table to wandb;
     None logs nothing."""
+    from types import SimpleNamespace
+
     from .plan import plan_arms
     from .run import _workers, check_optimizers, judge, write_plan
     from .runner import run_jobs
     from ..data import load_corpus
+    from ..detect.probe.isolate import load_meta
     from ..recipe import load_recipe
-    from ..candidates.resolve import resolve
     from ..slots import SLOTS
     from ..train.arm import model_vocab, resolve_device
 
@@ -142,7 +144,9 @@ def cmd_soak(args, publish=None) -> int:
     for i, cand in enumerate(soak["candidates"]):
         if cand["kernel"] not in SLOTS:
             raise UserError(f"{soak['path']}: candidates[{i}].kernel: unknown slot {cand['kernel']!r}")
-        impl = resolve(cand["kernel"], cand["candidate"])  # every candidate loads before anything trains
+        # Every candidate loads before anything trains, each in a child process (probe/isolate.py): the soak's
+        # own process never runs candidate code.
+        impl = SimpleNamespace(**load_meta(cand["kernel"], cand["candidate"]))
         label = _label(i, cand)
         for seed in soak["seeds"]:
             recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})

@@ -19,7 +19,6 @@ import numpy as np
 
 from ..model import PARAM_GROUPS
 from ..train.metrics import read_metrics
-from .buckets import BUCKETS, bucket_rows  # noqa: F401  (callers read both from here too)
 
 
 

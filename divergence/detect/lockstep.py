@@ -27,6 +27,7 @@ import math
 import numpy as np
 import torch
 
+from ..candidates import globalstate
 from ..slots import SLOTS
 from ..slots.contract import as_tuple, oracle_inputs
 from .buckets import bucket_rows
@@ -77,6 +78,8 @@ class Lockstep:
         self.tensor_names = None  # those inputs' names, from the first check (scalars such as eps have no flag)
         self.error = None  # the check itself failed (the reference op or the oracle raised): recorded once, stops
         self.given = None  # (step, copies of the inputs as the candidate got them), taken by `before`
+        self.state = None  # torch's global state before the candidate's call, taken by `before`
+        self.global_state = None  # what the candidate changed of it (the first time), put back after the call
         # The error metrics are the harness's own code: under `train.compile` they run as one compiled graph (about
         # 100 small kernels a check otherwise). The candidate and the oracle run as written (compiling the embedding
         # oracle with them failed to build in Triton 3.6 on the H200, 2026-11-21).
@@ -99,6 +102,10 @@ class Lockstep:
         """Before the candidate runs: a copy of its inputs, should it write into them (the copy is what the
         reference op and the oracle get, and what a write is detected against)."""
         if self._due():
+            # torch's global state too (seed, default dtype, deterministic and TF32 flags, matmul precision): a
+            # candidate that changes it at call time changes its own arm's training, not just its output; the tap
+            # names it and puts it back (candidates/globalstate.py: 12.5 us a snapshot and comparison, CPU).
+            self.state = globalstate.snapshot()
             with torch.no_grad():
                 self.given = (self.rec.current_step,
                               [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
@@ -106,6 +113,12 @@ class Lockstep:
     def tap(self, slot, inputs, cand_out):
         step = self.rec.current_step
         given, self.given = self.given, None
+        state, self.state = self.state, None
+        if state is not None:
+            what = globalstate.changed(state, globalstate.snapshot())
+            if what:
+                globalstate.restore(state)
+                self.global_state = self.global_state or globalstate.describe(what)
         if not self._due() or given is None or given[0] != step:
             return
         try:
@@ -240,6 +253,7 @@ class Lockstep:
             "compiled_metrics": self.compiled,
             "compile_fallback": self.compile_fallback,
             "error": self.error,
+            "global_state": self.global_state,
             "rule": f"per call: err_candidate <= {RATIO} x err_reference + rounding floor, overall and per "
                     f"frequency bucket; wrong after {WINDOW} consecutive checked steps over it, or when the median "
                     f"per-step err_candidate / err_reference exceeds {record['limit']} over at least "

@@ -161,9 +161,14 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     flagged = sorted((m for m in metric_results if m["flagged"]), key=lambda m: (m["first_step"], -m["effect_size"]))
     if not flagged:
         v = {"verdict": "PASS", "flagged": [], "harmed": [], "moved": [], "too_few_points": too_few}
-        if too_few:
+        # Reported, and INCONCLUSIVE only where the training loss itself cannot flag: a short run's evaluation,
+        # KL and drift series (a 20-step soak cell has 3 points each; h200-shapes keeps 2 snapshots of 1 GiB) leave
+        # the per-step loss and gradient norms to judge it, which is said in the detail.
+        if "loss" in too_few:
             v.update(verdict="INCONCLUSIVE", detail=f"{', '.join(too_few)}: fewer compared points than the window "
                                                     "(cannot flag); a longer run or more frequent evaluations")
+        elif too_few:
+            v["detail"] = f"inside the null envelope; {', '.join(too_few)} had fewer compared points than the window"
         return v
     first = flagged[0]
     harms = [m["metric"] for m in flagged if m["metric"].split("/")[0] in TRAINING_METRICS]
@@ -210,7 +215,7 @@ def ab_signal(per_opt: dict) -> dict:
             f"{o}: {', '.join(v['moved'])} from step {v['first_step']}" for o, v in moved.items()))
     if errors:
         return _sig("INCONCLUSIVE", "; ".join(f"{o}: {v.get('detail', '')}" for o, v in errors.items()))
-    few = {o: v["too_few_points"] for o, v in per_opt.items() if v.get("too_few_points")}
+    few = {o: v["too_few_points"] for o, v in per_opt.items() if "loss" in (v.get("too_few_points") or [])}
     if few:
         return _sig("INCONCLUSIVE", "fewer compared points than the window, cannot flag: "
                     + "; ".join(f"{o}: {', '.join(m)}" for o, m in few.items()))
@@ -234,6 +239,8 @@ def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
             unsure.append(f"{o}: no lockstep record")
         elif ls.get("mutated_input"):
             findings.append(f"{o}: writes to its input {ls['mutated_input']!r}")
+        elif ls.get("global_state"):
+            findings.append(f"{o}: {ls['global_state']}")
         elif ls.get("wrong"):
             how = []
             if ls.get("first_step_over", ls.get("first_wrong_step")) is not None:
@@ -316,6 +323,11 @@ def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enab
             if v["verdict"] in ("PASS", "INCONCLUSIVE"):
                 v["verdict"] = "WRONG"
                 v["detail"] = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
+        if ls.get("global_state"):
+            ls["wrong"] = True
+            if v["verdict"] in ("PASS", "INCONCLUSIVE"):
+                v["verdict"] = "WRONG"
+                v["detail"] = f"{ls['global_state']}, seen on live inputs (put back after each call)"
         if v["verdict"] in ("PASS", "INCONCLUSIVE") and ls.get("wrong"):
             v["verdict"] = "WRONG"
             v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (worst step: error "
@@ -336,7 +348,8 @@ def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enab
                 "probe": "wrong against the float64 oracle (probe)"}
     if any(v["verdict"] == "ERROR" for v in per_opt.values()) and not (failed or harmed or op_wrong):
         verdict, case = "ERROR", "failed"
-        summary = "the harness could not judge: " + signals["ab"]["reason"]
+        first = next(v for v in per_opt.values() if v["verdict"] == "ERROR")
+        summary = f"no verdict: {first.get('detail') or 'a harness arm failed'}"
     elif failed:
         verdict = max(failed, key=SEVERITY.index)
         case, summary = "failed", f"the candidate's run ended with {verdict}"

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..detect import distances as compare
+from ..detect.buckets import BUCKETS, bucket_rows
 from ..errors import UserError
 
 
@@ -79,7 +80,7 @@ class Results:
 
                 recipe = load_recipe(self.plan["recipe_path"], self.plan.get("overrides") or {})
                 corpus = load_corpus(recipe.data)
-                self._buckets = compare.bucket_rows(corpus.rank, model_vocab(recipe, corpus))
+                self._buckets = bucket_rows(corpus.rank, model_vocab(recipe, corpus))
             except Exception as e:  # a report on another machine: everything but the drift-over-steps curves
                 print(f"report: no drift curves over steps (corpus not loadable here: {type(e).__name__}: {e})")
         return self._buckets
@@ -134,7 +135,7 @@ def lockstep_buckets(ref: Arm) -> list:
     """'all' and the frequency buckets the candidate arm's lockstep metrics have, in BUCKETS order."""
     keys = {k.split("/")[1] for r in ref.rows for k in r if k.startswith("lockstep/") and k.count("/") == 2
             and k.endswith("/err_candidate")}
-    order = [b for b, _, _ in compare.BUCKETS]
+    order = [b for b, _, _ in BUCKETS]
     return ["all"] + sorted(keys, key=lambda b: order.index(b) if b in order else len(order))
 
 

@@ -76,6 +76,16 @@ ZOO: dict = {
         "attn_softcap", "bad", "Triton row softmax without the cap (identical while |scores| << cap)",
         "op-level check at realistic logits (|scores| ~ 30 with cap 20); benchmark-style small logits miss it",
         gpu_only=True),
+    # ---- swiglu: call-time hazards (the hostile battery, tests/test_hostile.py) ----
+    "swiglu_corrupts_after_n": ZooEntry(
+        "swiglu", "bad", "right for its first 8 calls in a process, then every output 2% too large",
+        "op-level check once past its first calls; lockstep check from the step its call count passes 8"),
+    "swiglu_late_write": ZooEntry(
+        "swiglu", "bad", "a thread started by the call keeps writing into the output after it returned",
+        "late write check (outputs re-read after the call returned)"),
+    "swiglu_global_state": ZooEntry(
+        "swiglu", "bad", "reseeds torch's global generator and lowers the float32 matmul precision at every call",
+        "global state check around its calls (probe and lockstep)"),
     # ---- rope ----
     "rope_table_thetas": ZooEntry(
         "rope", "bad", "cos/sin from a table precomputed for theta=10000, silently used for any other theta",

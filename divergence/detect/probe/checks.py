@@ -14,8 +14,8 @@ from ...errors import UserError
 from ..rule import RATIO, rel_error as _rel, rounding_floor
 from ...slots.contract import Contract
 
-# The kinds of finding, in the order the table lists them.
-CHECKS = ("exception", "mutated_input", "unwritten", "nonfinite", "error", "row_error", "nondeterministic",
+# The kinds of finding, in the order the table lists them; crash and timeout are the worker's watchdog's (isolate.py).
+CHECKS = ("crash", "timeout", "exception", "global_state", "late_write", "mutated_input", "unwritten", "nonfinite", "error", "row_error", "nondeterministic",
           "reuse", "fresh_storage")
 
 

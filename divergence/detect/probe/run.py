@@ -1,6 +1,7 @@
 """`run_probe`: one candidate against its float64 oracle across every input family of its slot.
 
-Per family: the candidate runs on copies of the inputs (guarded: an exception is a finding), then the checks of
+Per family, in a worker process under a watchdog (isolate.py: a crash or a hang is a finding, and the sweep goes on
+in a fresh worker): the candidate runs on copies of the inputs (guarded: an exception is a finding), then the checks of
 checks.py: inputs not modified, every output element written (NaN sentinel), no NaN/Inf, error within RATIO x the
 reference's own error plus a rounding floor, overall and on the most frequent rows of a scatter output. On the
 `deep` families also: determinism (three runs on fresh copies of one input agree within rounding) and no caching
@@ -14,7 +15,6 @@ import math
 import re
 import secrets
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -22,13 +22,10 @@ import torch
 
 from ...errors import UserError
 from ..rule import RATIO
-from ...slots.contract import as_tuple, oracle_inputs
 from . import checks
 from . import shapes as shaped
-from .inputs import family_seed
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
-REPEATS = 3  # runs of one input for the determinism check
 RULE = (f"relative L2 error vs the float64 oracle <= {RATIO:g} x the reference's own error on the same input "
         "+ half an ulp of the output dtype; per output, and on the worst of the most frequent rows of a scatter output")
 
@@ -49,18 +46,20 @@ def resolve_device(device: Optional[str]) -> str:
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
-              echo: Optional[Callable] = None, shapes: Optional[dict] = None) -> dict:
+              echo: Optional[Callable] = None, shapes: Optional[dict] = None, limits=None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
     Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
-    seed is chosen, so a run that dies midway can still be repeated. `shapes`: the declared shapes
+    candidate has loaded, so a run that dies midway can still be repeated. `shapes`: the declared shapes
     (probe/shapes.py): the families run there, and a failure only elsewhere is a generality note, not a finding.
+    `limits` (isolate.Limits): the watchdog's, default isolate.DEFAULT.
     """
-    from ...candidates.resolve import resolve
     from ...slots import SLOTS
+    from . import isolate
 
-    impl = resolve(slot, candidate_spec)  # CandidateError (exit 2) for a spec that does not load
+    if slot not in SLOTS:
+        raise UserError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
     contract = SLOTS[slot]
     device = resolve_device(device)
     seed = fresh_seed() if seed is None else int(seed)
@@ -72,11 +71,12 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
                             f"{slot}; known: {', '.join(f.name for f in fams)}")
         fams = [f for f in fams if f.name in only]
     budget = shaped.budget(device, shapes, BUDGET_S[device]) if budget_s is None else budget_s
-    destination = impl.meta.get("convention") == "destination"
     t0 = time.perf_counter()
-    if echo:
-        echo(f"probe {slot} <- {impl.name} ({impl.origin}), seed {seed} (repeat with --seed {seed}), "
-             f"device {device}, {len(fams)} input families")
+
+    def loaded(impl):
+        if echo:
+            echo(f"probe {slot} <- {impl['name']} ({impl['origin']}), seed {seed} (repeat with --seed {seed}), "
+                 f"device {device}, {len(fams)} input families")
 
     threads = torch.get_num_threads()
     if device == "cpu":
@@ -84,7 +84,11 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         # threads made the embedding sweep 10-20x slower (20 s vs 1.2-2.8 s at load 6.5, measured).
         torch.set_num_threads(1)
     try:
-        findings, ran, notes = _sweep(contract, impl, fams, seed, device, budget, destination, notes)
+        # The candidate runs in a worker process under a watchdog (isolate.py); this process never imports it.
+        impl, findings, ran, notes = isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes,
+                                                   Path(out_dir) / "worker.log", limits, on_loaded=loaded,
+                                                   rebuild=("divergence.detect.probe.shapes", "families",
+                                                            (slot, device, shapes)))
     finally:
         torch.set_num_threads(threads)
     wall = time.perf_counter() - t0
@@ -94,8 +98,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     findings.sort(key=lambda f: checks.CHECKS.index(f["check"]))
     result = {
         "slot": slot,
-        "candidate": {"spec": candidate_spec, "name": impl.name, "role": impl.role, "origin": impl.origin,
-                      "convention": impl.meta.get("convention", "returning"), "sha256": impl.sha256},
+        "candidate": {"spec": candidate_spec, **impl},
         "expected": _expected(candidate_spec),
         "seed": seed,
         "device": device,
@@ -114,136 +117,15 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     return result
 
 
-def _sweep(contract, impl, fams, seed, device, budget, destination, notes) -> tuple:
-    """Every family in turn, within the time budget: (findings, per-family records, notes)."""
-    findings, ran, notes = [], [], list(notes)
-    t0 = time.perf_counter()
-    for i, fam in enumerate(fams):
-        if i and time.perf_counter() - t0 > budget:  # at least one family, whatever the budget
-            notes.append(f"time budget of {budget:g} s spent: families {', '.join(f.name for f in fams[i:])} "
-                         "not run")
-            break
-        tf = time.perf_counter()
-        try:
-            got = _probe_family(contract, impl, fam, seed, device, destination)
-            stop = False
-        except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
-            got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
-                                                     f"{checks.one_line(e, contract.name)}")]
-            stop = any(m in str(e) for m in ("CUDA error", "device-side assert", "illegal memory access"))
-        for f in got:
-            findings.append({"check": f["check"], "family": fam.name, "shape": fam.shape_str(), "seed": seed,
-                             "error": f["error"], "allowed": f["allowed"], "detail": f["detail"],
-                             "output": f["output"]})
-        ran.append({"family": fam.name, "shape": fam.shape_str(), "deep": fam.deep,
-                    "seconds": round(time.perf_counter() - tf, 3), "findings": len(got)})
-        if stop:
-            notes.append("stopped after a CUDA error: later families not run")
-            break
-    return findings, ran, notes
-
-
-def _probe_family(contract, impl, fam, seed, device, destination) -> list:
-    case, orc, ref = _prepared(contract, fam, seed, device)
-    ctx, kept = case.context, case.inputs
-    slot = contract.name
-
-    def call(inputs):
-        out = as_tuple(impl.fn(*inputs, **ctx))
-        if device == "cuda":
-            torch.cuda.synchronize()  # an asynchronous kernel error surfaces here, inside the guard
-        return out
-
-    def failed(e, when=""):
-        return checks._finding("exception", None, f"{when}{checks.one_line(e, slot)}")
-
-    with torch.no_grad():
-        given = _clone(kept)
-        try:
-            cand = call(given)
-        except Exception as e:
-            return [failed(e)]
-        out = checks.mutated_inputs(contract, given, kept)
-        acc, errs = checks.accuracy(contract, cand, ref, orc, case.rows, destination)
-        out += acc
-        if not fam.deep:
-            return out
-
-        # Determinism, and equal values in fresh storage: the same input, copied afresh, run again.
-        runs, alive = [cand], []  # the copies stay alive, so later fresh tensors cannot take their addresses
-        for k in range(REPEATS - 1):
-            alive.append(_clone(kept))
-            try:
-                runs.append(call(alive[-1]))
-            except Exception as e:
-                return out + [failed(e, f"run {k + 2} of {REPEATS} on the same input: ")]
-        out += checks.spread(contract, runs, orc, errs)
-
-        # No caching: another draw of the family written into the first call's storage, then in fresh tensors.
-        case2, orc2, ref2 = _prepared(contract, fam, seed, device, again=True)
-        new = case2.inputs
-        if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
-            return out  # a family whose shapes vary between draws: nothing to reuse
-        reused = tuple(a.copy_(b) if isinstance(a, torch.Tensor) else b for a, b in zip(given, new))
-        try:
-            again = call(reused)
-        except Exception as e:
-            return out + [failed(e, "new values in reused storage: ")]
-        out += checks.stale("reuse", contract, again, ref2, orc2, cand, errs,
-                            "new values in the storage of the previous call's inputs")
-        try:
-            fresh = call(_clone(new))
-        except Exception as e:
-            return out + [failed(e, "new values in fresh storage: ")]
-        out += checks.stale("fresh_storage", contract, fresh, ref2, orc2, cand, errs,
-                            "new values in fresh tensors after earlier calls")
-    return out
-
-
-_PREPARED: "OrderedDict[tuple, tuple]" = OrderedDict()  # (slot, family, seed, device, again) -> (case, oracle, ref)
-_KEEP = 32  # about two sweeps of one slot (at most about 0.25 GB here): probing several candidates with one seed
-#             (the tests, a zoo survey) builds each input and its oracle once; fresh seeds never hit
-
-
-def _prepared(contract, fam, seed, device, again=False) -> tuple:
-    """A family's inputs (never handed to the candidate: it gets copies), the oracle's and the reference's outputs."""
-    key = (contract.name, fam.name, fam.shape_str(), seed, device, again)
-    hit = _PREPARED.get(key)
-    if hit is not None:
-        _PREPARED.move_to_end(key)
-        return hit
-    case = fam.build(torch.Generator().manual_seed(family_seed(seed, fam.name + ("/again" if again else ""))), device)
-    with torch.no_grad():
-        orc = as_tuple(contract.oracle(*oracle_inputs(contract, case.inputs), **case.context))
-        ref = as_tuple(contract.reference(*case.inputs, **case.context))
-    _PREPARED[key] = (case, orc, ref)
-    while len(_PREPARED) > _KEEP or (len(_PREPARED) > 1 and _held_bytes() > _KEEP_BYTES):
-        _PREPARED.popitem(last=False)
-    return case, orc, ref
-
-
-_KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
-#                        oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
-
-
-def _held_bytes() -> int:
-    return sum(x.numel() * x.element_size() for case, orc, ref in _PREPARED.values()
-               for x in (*case.inputs, *orc, *ref) if isinstance(x, torch.Tensor))
-
-
-def _clone(inputs) -> tuple:
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-
-
 def _merge_exceptions(findings: list) -> list:
-    """One line per distinct exception: a kernel that refuses a width raises in every family, and the table says
-    so once ("candidate only supports hidden=4096 ... (also in 9 more families)")."""
+    """One line per distinct exception (crash, timeout, global state, late write): a kernel that refuses a width raises in every family,
+    and the table says so once ("candidate only supports hidden=4096 ... (also in 9 more families)")."""
     out, seen = [], {}
     for f in findings:
-        if f["check"] != "exception":
+        if f["check"] not in ("exception", "crash", "timeout", "global_state", "late_write"):
             out.append(f)
             continue
-        key = re.sub(r"\d+(\.\d+)?", "N", f["detail"])
+        key = f["check"] + re.sub(r"\d+(\.\d+)?", "N", f["detail"])
         if key in seen:
             seen[key]["families"].append(f["family"])
             continue

@@ -1,0 +1,106 @@
+"""One input family's checks, run where the candidate lives (the probe's worker process, isolate.py): the call on
+copies of the inputs, then checks.py's accuracy, mutation, determinism and caching checks against the float64
+oracle and the reference, whose outputs are prepared once per (family, seed) and kept in a small LRU."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ...slots.contract import as_tuple, oracle_inputs
+from . import checks
+from .inputs import family_seed
+
+REPEATS = 3  # runs of one input for the determinism check
+
+
+def probe_family(contract, impl, fam, seed, device, destination) -> list:
+    case, orc, ref = prepared(contract, fam, seed, device)
+    ctx, kept = case.context, case.inputs
+    slot = contract.name
+
+    def call(inputs):
+        out = as_tuple(impl.fn(*inputs, **ctx))
+        if device == "cuda":
+            torch.cuda.synchronize()  # an asynchronous kernel error surfaces here, inside the guard
+        return out
+
+    def failed(e, when=""):
+        return checks._finding("exception", None, f"{when}{checks.one_line(e, slot)}")
+
+    with torch.no_grad():
+        given = _clone(kept)
+        try:
+            cand = call(given)
+        except Exception as e:
+            return [failed(e)]
+        out = checks.mutated_inputs(contract, given, kept)
+        acc, errs = checks.accuracy(contract, cand, ref, orc, case.rows, destination)
+        out += acc
+        if not fam.deep:
+            return out
+
+        # Determinism, and equal values in fresh storage: the same input, copied afresh, run again.
+        runs, alive = [cand], []  # the copies stay alive, so later fresh tensors cannot take their addresses
+        for k in range(REPEATS - 1):
+            alive.append(_clone(kept))
+            try:
+                runs.append(call(alive[-1]))
+            except Exception as e:
+                return out + [failed(e, f"run {k + 2} of {REPEATS} on the same input: ")]
+        out += checks.spread(contract, runs, orc, errs)
+
+        # No caching: another draw of the family written into the first call's storage, then in fresh tensors.
+        case2, orc2, ref2 = prepared(contract, fam, seed, device, again=True)
+        new = case2.inputs
+        if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
+            return out  # a family whose shapes vary between draws: nothing to reuse
+        reused = tuple(a.copy_(b) if isinstance(a, torch.Tensor) else b for a, b in zip(given, new))
+        try:
+            again = call(reused)
+        except Exception as e:
+            return out + [failed(e, "new values in reused storage: ")]
+        out += checks.stale("reuse", contract, again, ref2, orc2, cand, errs,
+                            "new values in the storage of the previous call's inputs")
+        try:
+            fresh = call(_clone(new))
+        except Exception as e:
+            return out + [failed(e, "new values in fresh storage: ")]
+        out += checks.stale("fresh_storage", contract, fresh, ref2, orc2, cand, errs,
+                            "new values in fresh tensors after earlier calls")
+    return out
+
+
+PREPARED: "OrderedDict[tuple, tuple]" = OrderedDict()  # (slot, family, seed, device, again) -> (case, oracle, ref)
+_KEEP = 32  # about two sweeps of one slot (at most about 0.25 GB here): probing several candidates with one seed
+#             (the tests, a zoo survey) builds each input and its oracle once; fresh seeds never hit
+
+
+def prepared(contract, fam, seed, device, again=False) -> tuple:
+    """A family's inputs (never handed to the candidate: it gets copies), the oracle's and the reference's outputs."""
+    key = (contract.name, fam.name, fam.shape_str(), seed, device, again)
+    hit = PREPARED.get(key)
+    if hit is not None:
+        PREPARED.move_to_end(key)
+        return hit
+    case = fam.build(torch.Generator().manual_seed(family_seed(seed, fam.name + ("/again" if again else ""))), device)
+    with torch.no_grad():
+        orc = as_tuple(contract.oracle(*oracle_inputs(contract, case.inputs), **case.context))
+        ref = as_tuple(contract.reference(*case.inputs, **case.context))
+    PREPARED[key] = (case, orc, ref)
+    while len(PREPARED) > _KEEP or (len(PREPARED) > 1 and _held_bytes() > _KEEP_BYTES):
+        PREPARED.popitem(last=False)
+    return case, orc, ref
+
+
+_KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
+#                        oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
+
+
+def _held_bytes() -> int:
+    return sum(x.numel() * x.element_size() for case, orc, ref in PREPARED.values()
+               for x in (*case.inputs, *orc, *ref) if isinstance(x, torch.Tensor))
+
+
+def _clone(inputs) -> tuple:
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)

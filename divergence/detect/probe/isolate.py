@@ -1,0 +1,370 @@
+"""The probe's candidate calls in a worker process with a watchdog: nothing a candidate does takes the probe down.
+
+One worker per probe, started once and reused family after family (its process start is paid once: forked in
+milliseconds on a machine without CUDA, spawned in seconds where there is a GPU, since a fork cannot carry CUDA). The worker imports the
+candidate itself, so the parent never runs candidate code, and runs call.py's `probe_family` on each family it is
+sent. The parent watches it:
+- a family that does not finish within `Limits.family_s` (a base plus a share per million input elements per
+  call) is a `timeout` finding: the worker's process group is killed;
+- a worker that dies (a signal, `os._exit`, a segfault, an abort) is a `crash` finding naming the family, its
+  shape and the exit status or signal;
+- after a CUDA error inside a family (the context is then unusable) the worker finishes that family's findings and
+  exits;
+and in each case the next family runs in a fresh worker. The worker's stdout and stderr (the candidate's prints, a
+segfault's dump) go to `worker.log` beside probe.json.
+
+Before forking, the parent builds every family's inputs, float64 oracle and reference outputs (run.py's cache):
+the worker inherits them without a copy, and probing several candidates with one seed builds them once. A spawned
+worker builds them itself, on its own device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ...candidates import globalstate
+from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
+from ...errors import CandidateError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long the watchdog waits. A family's limit is `family_s + per_melement_s x (input elements / 1e6) x
+    calls` (1 call, or 5 on a deep family). Measured 2026-11-23 on the 2-core CPU machine (torch 2.13, load
+    average 6-8 from other work): the slowest default family of any CPU zoo member took 1.3 s (softcap_wrong_cap,
+    long-seq: 4.2M scores), so 30 s leaves a slow but honest kernel 20x room; on CUDA the first call of a Triton
+    kernel compiles it (~5 s on the H200, README)."""
+    family_s: float = 30.0  # base per family
+    per_melement_s: float = 2.0  # per million input elements per call
+    load_s: float = 600.0  # starting the worker and importing the candidate (a CUDA C++ source compiles here)
+    prepare_s: float = 300.0  # building one family's inputs and oracle in the worker (harness code, not timed)
+
+    def family(self, elements: int, calls: int) -> float:
+        return self.family_s + self.per_melement_s * elements / 1e6 * calls
+
+
+DEFAULT = Limits()
+# Families lost in a row (crash or timeout) before the sweep stops: a candidate that hangs everywhere costs at most
+# 3 x the family limit (the time budget may stop it sooner), and on CUDA each lost worker a fresh process.
+MAX_DEAD = 3
+
+
+class WorkerDied(Exception):
+    """The worker ended (crash) or was killed (timeout) before answering; `kind` is 'crash' or 'timeout'."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind, self.why = kind, why
+
+
+def _context(device: str):
+    # Fork where it is safe: CPU work on a machine without CUDA (a spawned interpreter took 3.7 s to import and
+    # load on this 2-core machine, a fork plus the candidate's import 0.02 s). Where there is a GPU the parent's
+    # `torch.cuda.is_available()` has started the driver, which a forked child cannot use: a fresh process.
+    if device == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_available():
+        return mp.get_context("fork"), True
+    return mp.get_context("spawn"), False
+
+
+class Worker:
+    """A child process holding the candidate; `family(i)` runs family i there under the watchdog."""
+
+    def __init__(self, slot: str, spec, device: str, seed: int, fams: list, log: Path, limits: Limits,
+                 rebuild: Optional[tuple] = None):
+        self.limits, self.log = limits, Path(log)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        ctx, forked = _context(device)
+        self.conn, child = ctx.Pipe()
+        # A forked worker inherits the family objects; a spawned one gets them pickled where they pickle, and
+        # otherwise (the built-in families are closures) rebuilds them by name with the caller's own builder
+        # `rebuild` = (module, function, args), whose first return value is the family list: the same shapes as
+        # the parent's (declared shapes included), never the contract's defaults under the same names.
+        self.proc = ctx.Process(target=_serve, args=(child, slot, spec, device, seed,
+                                                     fams if forked or _picklable(fams) else None,
+                                                     [f.name for f in fams], str(self.log), rebuild), daemon=False)
+        self.proc.start()
+        child.close()
+        (self.meta,) = self._wait("load", limits.load_s)
+
+    def _wait(self, what: str, limit: float):
+        """The worker's next message, or WorkerDied when it dies or `limit` seconds pass first."""
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                kill_group(self.proc)  # hung: no polite stop, it would not read it
+                self.conn.close()
+                raise WorkerDied("timeout", f"no answer within {limit:g} s ({what})")
+            try:
+                ready = self.conn.poll(min(left, 0.5))
+                msg = self.conn.recv() if ready else None
+            except (EOFError, OSError):
+                msg = None
+                ready = True
+            if msg is not None:
+                if msg[0] == "load_error":
+                    self.close()
+                    raise CandidateError(msg[1])
+                return msg[1:]
+            if ready or not self.proc.is_alive():  # the pipe closed: the worker is gone
+                self.proc.join(5)
+                code = self.proc.exitcode
+                self.close()
+                raise WorkerDied("crash", f"the candidate's process died: {describe_exit(code)}{_last_line(self.log)}")
+
+    def family(self, i: int, calls: int) -> tuple:
+        """(findings, seconds the candidate's checks took, fatal: the worker has exited) for family i."""
+        try:
+            self.conn.send(("family", i))
+        except OSError:  # it died since the last family (a thread the candidate left behind): _wait says how
+            pass
+        (elements,) = self._wait("prepare", self.limits.prepare_s)
+        limit = self.limits.family(elements, calls)
+        try:
+            findings, seconds, fatal = self._wait("family", limit)
+        except WorkerDied as e:
+            if e.kind == "timeout":
+                e.why = f"not finished within {limit:.3g} s (the watchdog's limit for this family's size)"
+            raise
+        if fatal:
+            self.close()
+        return findings, seconds, fatal
+
+    def close(self):
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.proc.join(2)
+            except (OSError, BrokenPipeError):
+                pass
+        if self.proc.is_alive() or self.proc.exitcode is None:
+            kill_group(self.proc)
+        self.conn.close()
+
+
+def _picklable(x) -> bool:
+    try:
+        pickle.dumps(x)
+        return True
+    except Exception:
+        return False
+
+
+def _last_line(log: Path) -> str:
+    said = last_words(log)
+    return f"; its last output: {said}" if said else ""
+
+
+def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
+    """The worker: load the candidate, then run families as asked until told to stop."""
+    os.setsid()  # own process group: the watchdog's kill reaches whatever the candidate started
+    die_with_parent()
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    import faulthandler
+
+    faulthandler.enable(file=log)  # a segfault's Python stack, for whoever reads the log
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the parent's sweep (run.py): these ops are small
+
+    from ...candidates.resolve import resolve
+    from ...slots import SLOTS
+    from . import checks
+    from .call import prepared as _prepared, probe_family as _probe_family
+
+    try:
+        impl = resolve(slot, spec)
+    except CandidateError as e:
+        conn.send(("load_error", str(e)))
+        return
+    if fams is None:
+        import importlib
+
+        module, fn, args = rebuild or ("divergence.detect.probe.inputs", "families", (slot, device))
+        by_name = {f.name: f for f in getattr(importlib.import_module(module), fn)(*args)[0]}
+        missing = [n for n in names if n not in by_name]
+        if missing:  # a family built from the caller's arguments: it cannot be rebuilt here
+            conn.send(("load_error", f"{slot}: probe families {', '.join(missing)} cannot be rebuilt in a spawned "
+                                     "worker (not picklable, not built in)"))
+            return
+        fams = [by_name[n] for n in names]
+    conn.send(("loaded", {"name": impl.name, "role": impl.role, "origin": impl.origin, "sha256": impl.sha256,
+                          "convention": impl.meta.get("convention", "returning")}))
+    contract = SLOTS[slot]
+    destination = impl.meta.get("convention") == "destination"
+    watch = _Watch(impl.fn, contract, device)
+    impl = dataclasses.replace(impl, fn=watch)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            msg = ("stop",)
+        if msg[0] != "family":
+            # No interpreter teardown: threads the candidate left running would hold it up, and there is nothing
+            # to save.
+            sys.stdout.flush()
+            os._exit(0)
+        fam = fams[msg[1]]
+        case = _prepared(contract, fam, seed, device)[0]
+        if fam.deep:
+            _prepared(contract, fam, seed, device, again=True)
+        conn.send(("prepared", sum(x.numel() for x in case.inputs if isinstance(x, torch.Tensor))))
+        t = time.perf_counter()
+        fatal = False
+        state = globalstate.snapshot()
+        watch.first, watch.findings = True, []
+        try:
+            got = _probe_family(contract, impl, fam, seed, device, destination) + watch.findings
+        except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
+            got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
+                                                     f"{checks.one_line(e, slot)}")]
+            fatal = any(m in str(e) for m in _CUDA_FATAL)
+        # A CUDA error the candidate raised (and the probe recorded) leaves the context unusable all the same.
+        fatal = fatal or any(m in (f.get("detail") or "") for f in got for m in _CUDA_FATAL)
+        what = globalstate.changed(state, globalstate.snapshot())
+        if what:  # reported, and put back: the next family must not run under the candidate's settings
+            got.append(checks._finding("global_state", None, globalstate.describe(what)))
+            globalstate.restore(state)
+        conn.send(("done", got, time.perf_counter() - t, fatal))
+        if fatal:  # a CUDA context the candidate broke cannot be trusted: the next family gets a fresh worker
+            os._exit(0)
+
+
+# How long after its first call in a family the candidate's tensors are watched for late writes: 0.5 to 0.9 s
+# over the seven slots' default sweeps (measured, README); the battery's writers (a thread writing every 1 ms, or
+# once after 2 ms) are seen.
+WATCH_S = 0.01
+_CUDA_FATAL = ("CUDA error", "device-side assert", "illegal memory access")
+
+
+class _Watch:
+    """The candidate's function, watched: after its first call in each family, its outputs and inputs are read
+    again WATCH_S later (then with the device synchronised, every stream) and must not have changed. A kernel still running on
+    another stream, or a thread the candidate left writing, changes them after the call returned: what the
+    harness measured was not what training would get. A write later than WATCH_S goes unseen (README)."""
+
+    def __init__(self, fn, contract, device):
+        self.fn, self.contract, self.device = fn, contract, device
+        self.first, self.findings = True, []
+
+    def __call__(self, *inputs, **ctx):
+        from ...slots.contract import as_tuple
+
+        out = self.fn(*inputs, **ctx)
+        if not self.first:
+            return out
+        self.first = False
+        # Outputs are read on the current stream (what the next op in training would see); inputs as they are.
+        named = [(n, x) for n, x in zip(self.contract.outputs, as_tuple(out))] + \
+                [(n, x) for n, x in zip(self.contract.inputs, inputs)]
+        named = [(n, x) for n, x in named if isinstance(x, torch.Tensor)]
+        # No synchronisation first: the copies are ordered after the candidate's work on the current stream only,
+        # so a write from another stream (or a thread) that lands later shows as a difference.
+        seen = [x.clone() for _, x in named]
+        time.sleep(WATCH_S)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        for (name, x), was in zip(named, seen):
+            if not torch.equal(x.nan_to_num(), was.nan_to_num()):
+                kind = "output" if name in self.contract.outputs else "input"
+                self.findings.append({"check": "late_write", "output": name, "error": None, "allowed": None,
+                                      "detail": f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the "
+                                                "candidate returned (a kernel or thread still writing)"})
+        return out
+
+
+def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
+    """Load `spec` in a throwaway worker: its name, role, origin, sha256 and convention, or the CandidateError
+    it raises; a candidate whose import kills or hangs the process is a CandidateError too (exit 2). The caller
+    never imports candidate code. Forked on a machine without CUDA (0.04 s), spawned where there is one (see
+    _context: a Triton candidate's load asks for the GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        w = Worker(slot, spec, device, 0, [], Path(os.devnull), limits)
+    except WorkerDied as e:
+        raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
+                             f"its process ({e.why})") from None
+    w.close()
+    return w.meta
+
+
+def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Optional[Limits] = None,
+          on_loaded=None, rebuild: Optional[tuple] = None) -> tuple:
+    """Every family in a worker, within the time budget: (candidate meta, findings, per-family records, notes).
+    Findings carry the family, its shape and the seed; `crash` and `timeout` findings are the watchdog's.
+    `on_loaded(meta)` is called once the candidate has loaded, before the first family; `rebuild`: how a spawned
+    worker builds the same families (Worker)."""
+    from ...slots import SLOTS
+    from .call import REPEATS
+
+    limits = limits or DEFAULT
+    findings, ran, notes = [], [], list(notes)
+    if _context(device)[1]:
+        prepare_all(SLOTS[slot], fams, seed, device)
+    try:
+        worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild)
+    except WorkerDied as e:
+        raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
+                             f"its process ({e.why})") from None
+    meta = worker.meta
+    if on_loaded:
+        on_loaded(meta)
+    t0 = time.perf_counter()
+    dead = 0  # workers lost in a row
+    try:
+        for i, fam in enumerate(fams):
+            if i and time.perf_counter() - t0 > budget:  # at least one family, whatever the budget
+                notes.append(f"time budget of {budget:g} s spent: families {', '.join(f.name for f in fams[i:])} "
+                             "not run")
+                break
+            if dead >= MAX_DEAD:
+                notes.append(f"the candidate crashed or hung in {dead} families in a row: families "
+                             f"{', '.join(f.name for f in fams[i:])} not run")
+                break
+            tf = time.perf_counter()
+            try:
+                if worker is None:
+                    worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild)
+                got, _, fatal = worker.family(i, REPEATS + 2 if fam.deep else 1)  # runs, reuse, fresh storage
+                dead = 0
+                if fatal:
+                    worker = None
+            except WorkerDied as e:
+                worker, dead = None, dead + 1
+                # The table names the family and shape; identical details merge into one line (run.py).
+                got = [{"check": e.kind, "output": None, "error": None, "allowed": None,
+                        "detail": f"{e.why}; later families ran in a fresh process"}]
+            for f in got:
+                findings.append({"check": f["check"], "family": fam.name, "shape": fam.shape_str(), "seed": seed,
+                                 "error": f["error"], "allowed": f["allowed"], "detail": f["detail"],
+                                 "output": f["output"]})
+            ran.append({"family": fam.name, "shape": fam.shape_str(), "deep": fam.deep,
+                        "seconds": round(time.perf_counter() - tf, 3), "findings": len(got)})
+    finally:
+        if worker is not None:
+            worker.close()
+    return meta, findings, ran, notes
+
+
+def prepare_all(contract, fams, seed, device):
+    """Build every family's inputs and oracle here, before a forked worker inherits them (see the docstring)."""
+    from .call import prepared as _prepared
+
+    for fam in fams:
+        _prepared(contract, fam, seed, device)
+        if fam.deep:
+            _prepared(contract, fam, seed, device, again=True)
