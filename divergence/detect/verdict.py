@@ -116,9 +116,12 @@ def combine(per_opt: dict) -> dict:
         ls = v.get("lockstep") or {}
         if ls.get("mutated_input"):
             ls["wrong"] = True
+            said = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
             if v["verdict"] == "PASS":
                 v["verdict"] = "WRONG"
-                v["detail"] = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
+                v["detail"] = said
+            else:  # the A/B saw what the mutation does; the detail names the cause first
+                v["detail"] = f"{said}; {v['detail']}" if v.get("detail") else said
         if v["verdict"] == "PASS" and ls.get("wrong"):
             v["verdict"] = "WRONG"
             v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (error "
