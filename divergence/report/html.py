@@ -20,10 +20,10 @@ from .results import drift_table, load_results
 
 # Autoescape every template: a candidate's name, a path or an error message is text on the page, never markup.
 # StrictUndefined: a template asking for a value the context lacks raises (and the fallback page is written)
-# rather than leaving a blank cell.
+# rather than leaving a blank cell; a value that is there but None (no origin, no error) prints as nothing.
 ENV = jinja2.Environment(loader=jinja2.PackageLoader("divergence.report", "templates"), autoescape=True,
                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                         keep_trailing_newline=True)
+                         keep_trailing_newline=True, finalize=lambda x: "" if x is None else x)
 
 
 def num(x, fmt="{:.3g}") -> str:
