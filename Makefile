@@ -1,7 +1,9 @@
 # divergence: make setup, make test (CPU, minutes); make train / ab / probe / bench / soak.
 PY ?= .venv/bin/python
-# Optional dependency groups `make setup` installs: test (pytest) and ray (soak --backend ray, an ~80 MB wheel;
-# its test starts a two-node Ray cluster on loopback). EXTRAS=test leaves Ray out; the cluster tests then skip.
+# Optional dependency groups `make setup` installs: test (pytest, wandb>=0.31, and on Linux Triton 3.9, a 286 MB
+# wheel that runs the GPU zoo's kernels under its CPU interpreter: 11 s to install) and ray (soak --backend ray, an
+# ~80 MB wheel; its test starts a two-node Ray cluster on loopback). EXTRAS=test leaves Ray out; the cluster tests
+# then skip.
 EXTRAS ?= test,ray
 KERNEL ?= fused_embed_rmsnorm
 RECIPE ?=

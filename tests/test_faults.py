@@ -112,13 +112,20 @@ def test_candidate_patching_torch_or_the_harness_is_refused(what, tmp_path, caps
         assert words in err, err
 
 
-def test_candidate_mutating_its_inputs_is_flagged(tmp_path):
+def test_candidate_mutating_its_inputs_is_flagged(tmp_path, capsys):
+    """Right outputs, then `up` halved in place: the lockstep check names the input it wrote to, and the verdict
+    says so first (the A/B also sees what it does: the backward reads the halved `up`, the MLP gradients shrink)."""
     cand = write(tmp_path, "mut.py", "def run(gate, up):\n    out = reference(gate, up)\n"
                                      "    up.mul_(0.5)\n    return out\n")
     assert ab(tmp_path / "r", cand) == 1
     sgd = verdict(tmp_path / "r")["optimizers"]["sgd"]
-    assert sgd["lockstep"]["mutated_input"] == "up"
-    assert sgd["verdict"] != "PASS"
+    ls = sgd["lockstep"]
+    assert ls["mutated_input"] == "up" and ls["wrong"]
+    assert ls["wrong_steps"] == 0  # every output was right: the write alone is the finding
+    said = "the candidate modifies its input 'up' (seen on live inputs)"
+    assert sgd["detail"].startswith(said)
+    assert said in capsys.readouterr().out  # the verdict table the user reads
+    assert "it writes to its input up" in (tmp_path / "r" / "report.html").read_text()
 
 
 BAD_INPUTS = [

@@ -27,22 +27,36 @@ CUDA = torch.cuda.is_available()
 FINDING_KEYS = {"check", "family", "shape", "seed", "error", "allowed", "detail"}
 
 
-def expected_checks(name: str) -> set:
-    """The probe checks that answer a member's catalogue entry ("caught by ..."), read from its words."""
-    text = ZOO[name].caught_by.lower()
-    if "late write" in text:
-        return {"late_write"}
-    if "global state" in text:
-        return {"global_state"}
-    if "nan sentinel" in text:
-        return {"unwritten"}
-    if "caching" in text:
-        return {"reuse"}
-    if "only supports" in text:
-        return {"exception"}
-    if "op-level" in text:
-        return {"error", "row_error"}
-    return set()
+# What the probe must say about each known-bad member, from its docstring's "Caught by" (kept here as data, not
+# matched against that prose): every check in `checks` is found, each family in `shows` has a finding, and each
+# family in `hides` has none (where the docstring says the bug hides: a benchmark-style input passes it).
+EXPECTED = {
+    "embed_bf16_accum": dict(checks={"error", "row_error"}, shows={"zipf-1.4", "one-id", "long-seq"},
+                             hides={"uniform", "one-token"}),  # a handful of contributions per row: rounded ~once
+    "embed_last_writer_wins": dict(checks={"error"}, shows={"uniform", "zipf-1.1", "one-id"}, hides={"one-token"}),
+    "embed_partial_write": dict(checks={"unwritten"}, shows={"uniform", "odd", "one-token"}, hides=set()),
+    "embed_cached_by_identity": dict(checks={"reuse"}, shows={"uniform"}, hides=set()),
+    "embed_hardcoded_hidden": dict(checks={"exception"}, shows={"uniform", "odd"}, hides={"hidden-4096"}),
+    "triton_embed_bf16": dict(checks={"error"}, shows={"zipf-1.4", "one-id"}, hides={"uniform"}),
+    "softcap_omitted": dict(checks={"error"}, shows={"contract", "scale-100", "bf16"}, hides=set()),
+    "softcap_wrong_cap": dict(checks={"error"}, shows={"contract", "cap-5"}, hides={"cap-50"}),  # right at cap 50
+    "triton_softcap_omitted": dict(checks={"error"}, shows={"contract", "scale-100"}, hides=set()),
+    "rope_table_thetas": dict(checks={"error"}, shows={"theta-500k", "theta-1m"}, hides={"contract"}),  # 10,000
+    "rmsnorm_bwd_no_mean": dict(checks={"error"}, shows={"contract", "bf16", "huge-rows"}, hides=set()),
+    # The call-time hazards of the isolation battery (tests/test_hostile.py): the worker's own checks.
+    "swiglu_corrupts_after_n": dict(checks={"error"}, shows=set(), hides=set()),
+    "swiglu_late_write": dict(checks={"late_write"}, shows=set(), hides=set()),
+    "swiglu_global_state": dict(checks={"global_state"}, shows=set(), hides=set()),
+}
+
+
+def families_with(res, checks=None) -> set:
+    """The families that have a finding (of one of `checks`, if given); a merged finding names all of its own."""
+    out = set()
+    for f in res["findings"]:
+        if checks is None or f["check"] in checks:
+            out |= {f["family"], *(f.get("families") or ())}
+    return out
 
 
 def probe(slot, spec, tmp_path, seed=SEEDS[0], **kw):
@@ -79,19 +93,25 @@ def write_candidate(tmp_path, body: str, name="cand.py"):
 # ---------------------------------------------------------------------------------------------------- the zoo
 
 
+def test_every_bad_member_has_its_expectation():
+    assert set(EXPECTED) == set(members(verdict="bad"))
+
+
 @pytest.mark.parametrize("name", members(verdict="bad"))
 def test_bad_member_gets_the_finding_its_catalogue_entry_names(name, zoo_probe):
-    e = ZOO[name]
+    e, want = ZOO[name], EXPECTED[name]
     if e.gpu_only and not CUDA:
         pytest.skip("needs a GPU")
-    want = expected_checks(name)
-    assert want, f"zoo:{name}: no probe check matches its catalogue entry {e.caught_by!r}; teach expected_checks"
     res = zoo_probe(name)
     # a kernel that refuses the contract's own shapes gets no numerical verdict, only the line saying how to pass
     # its shapes (tests/test_shapes.py)
-    assert res["verdict"] == ("NEEDS-SHAPES" if "only supports" in e.caught_by.lower() else "FAIL")
-    got = [(f["check"], f["family"]) for f in res["findings"]]
-    assert want & checks_of(res), f"zoo:{name}: wanted {want}, got {got}"
+    assert res["verdict"] == ("NEEDS-SHAPES" if name == "embed_hardcoded_hidden" else "FAIL")
+    got = sorted((f["check"], f["family"]) for f in res["findings"])
+    assert want["checks"] <= checks_of(res), f"zoo:{name}: wanted every one of {want['checks']}, got {got}"
+    ran = {r["family"] for r in res["families"]}
+    assert want["shows"] | want["hides"] <= ran, f"zoo:{name}: families {ran}"
+    assert want["shows"] <= families_with(res, want["checks"]), f"zoo:{name}: got {got}"
+    assert not want["hides"] & families_with(res), f"zoo:{name}: should hide on {want['hides']}, got {got}"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -123,10 +143,13 @@ def test_hardcoded_width_is_one_clear_line_and_passes_at_its_width(zoo_probe):
 
 
 def test_bf16_accumulation_is_caught_on_text_like_ids(zoo_probe):
+    """The story's kernel: rounding on every add grows with the contributions per row. Uniform ids (a handful per
+    row) hide it; the more skewed the ids, the further outside the rule (measured 2026-11-23 on seed 20261121:
+    zipf-1.1 1.9x the allowed error, zipf-1.4 4.1x, one id everywhere 7.4x)."""
     res = zoo_probe("embed_bf16_accum")
-    text_like = {f["family"] for f in res["findings"] if f["check"] in ("error", "row_error")}
-    assert text_like & {"corpus", "zipf-1.1", "zipf-1.4"}, text_like
-    assert all(f["error"] > f["allowed"] for f in res["findings"])
+    err = {f["family"]: f["error"] / f["allowed"] for f in res["findings"] if f["check"] == "error"}
+    assert "uniform" not in families_with(res)
+    assert 1 < err["zipf-1.1"] < err["zipf-1.4"] < err["one-id"] and err["one-id"] > 4, err
 
 
 # ----------------------------------------------------------------------------------------- candidates of our own

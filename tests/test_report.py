@@ -5,7 +5,6 @@ with tests/test_wandb.py through `tiny_ab`.
 """
 from __future__ import annotations
 
-import html
 import json
 import os
 import re
@@ -16,9 +15,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+from markupsafe import escape
 
 from divergence.cli import main
 from divergence.report import words, write_report
+from divergence.zoo import DEMO, ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,7 +36,11 @@ def tiny_ab(tmp_path_factory) -> Path:
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         if out.exists():
             (out / "ab.log").write_text(r.stdout + r.stderr)
-        assert r.returncode in (0, 1), f"divergence ab failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        # The slot's demo candidate is the zoo's bf16-accumulating kernel: a finding, exit 1 (0 would be a missed
+        # bug, 2 a harness error; either makes every page test below read the wrong run).
+        assert ZOO[DEMO["fused_embed_rmsnorm"]].verdict == "bad"
+        assert r.returncode == 1, f"divergence ab exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert json.loads((out / "verdict.json").read_text())["verdict"] != "PASS"
     return out
 
 
@@ -70,7 +75,7 @@ def test_page_opens_with_the_verdict_in_words(results):
     assert f'banner {v["verdict"]}' in body[:first_fig]  # the verdict comes before any figure
     for opt, ov in v["optimizers"].items():
         sentence = words.optimizer_sentence(ov, v["rule"])
-        assert sentence.replace("'", "&#x27;") in body[:first_fig]
+        assert str(escape(sentence)) in body[:first_fig]
         if ov["verdict"] == "DIVERGED":
             assert words.metric_words(ov["metric"]) in sentence
             assert f"at step {ov['first_step']}" in sentence
@@ -134,9 +139,26 @@ def test_a_verdict_the_page_cannot_read_still_gives_a_page(results, tmp_path, mo
     _blank_figures(monkeypatch)
     text = write_report(folder).read_text()
     assert "could not be rendered in full (KeyError" in text
-    assert html.escape(f'"verdict": "{v["verdict"]}"') in text  # the raw verdict, for a person to read
+    assert str(escape(f'"verdict": "{v["verdict"]}"')) in text  # the raw verdict, for a person to read
     assert sorted(Path(s).stem for s in _images(folder / "report.html")) == ["distance", "drift", "lockstep", "loss"]
     assert capsys.readouterr().out.startswith("report: the page could not be rendered in full")
+
+
+def test_markup_in_a_candidate_name_is_text_on_the_page(results, tmp_path, monkeypatch):
+    """A candidate's name, a summary and an arm's error come from the user's files: the template escapes them."""
+    folder = shutil.copytree(results, tmp_path / "r", ignore=shutil.ignore_patterns("wandb"))
+    evil = '<script>alert("x")</script>'
+    v = json.loads((folder / "verdict.json").read_text())
+    v["candidate"]["name"] = evil
+    v["summary"] = f"wrong {evil}"
+    (folder / "verdict.json").write_text(json.dumps(v))
+    info = json.loads((folder / "sgd" / "candidate" / "arm.json").read_text())
+    (folder / "sgd" / "candidate" / "arm.json").write_text(json.dumps({**info, "error": evil}))
+    _blank_figures(monkeypatch)
+    text = write_report(folder).read_text()
+    assert "could not be rendered" not in text
+    assert "<script" not in text.lower()
+    assert text.count("&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;") >= 5  # title, h1, sub, banner, arms table
 
 
 def test_report_of_a_candidate_that_stopped_with_nan(results, tmp_path):
@@ -202,6 +224,7 @@ def test_the_page_and_wandb_show_every_signal(results):
     text = (results / "report.html").read_text()
     assert set(v["signals"]) == {"ab", "lockstep", "probe"}
     for name, sig in v["signals"].items():
-        assert html.escape(words.SIGNAL_NAMES[name]) in text
-        assert html.escape(sig["reason"]) in text, name
+        # as the page's autoescaping template writes them (markupsafe, jinja2's own escaper)
+        assert str(escape(words.SIGNAL_NAMES[name])) in text
+        assert str(escape(sig["reason"])) in text, name
     assert f"Exit code {v['exit_code']}" in text

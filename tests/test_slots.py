@@ -1,11 +1,19 @@
 """Each slot's reference against a direct float64 computation written independently of the slot's code
-(autograd of the float64 forward for the backward slots, an explicit rotation for RoPE, ...)."""
+(autograd of the float64 forward for the backward slots, an explicit rotation for RoPE, ...).
+
+A reference with bf16 outputs is judged with the one error rule (divergence/detect/rule.py) against the best a bf16
+output can be: the exact answer rounded once. A fixed `rel < 1e-2` passed a bf16-accumulating embedding gradient
+on the default uniform ids (error 2.3e-3 there: 1.4x one rounding, measured); on Zipfian ids with hundreds of
+contributions per row it is 8x, outside the rule.
+"""
 import math
 
 import pytest
 import torch
 
 from divergence.candidates.resolve import build_kernels
+from divergence.detect import rule
+from divergence.detect.probe.inputs import zipf_ids
 from divergence.slots import SLOTS
 from divergence.slots.nulls import NULLS
 from divergence.slots.contract import as_tuple
@@ -17,22 +25,37 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def within_rule_of_one_rounding(out, exact) -> bool:
+    """`out` within the rule of the exact answer rounded once to out's dtype (what a perfect kernel returns)."""
+    return rel(out, exact) <= rule.allowed(rel(exact.to(out.dtype), exact), out.dtype)
+
+
+# Embedding-gradient inputs where a low-precision accumulator shows: Zipfian ids (s=1.1) over a small vocabulary,
+# so the most frequent row takes hundreds of contributions, as a frequent token of real text does.
+ZIPF_VOCAB, ZIPF_BATCH, ZIPF_SEQ = 64, 16, 256
+
+
+def zipf_embed_inputs():
+    c = SLOTS["fused_embed_rmsnorm"]
+    ids = zipf_ids(G(), ZIPF_VOCAB, ZIPF_BATCH, ZIPF_SEQ, 1.1)
+    return c.make_inputs(G(), batch=ZIPF_BATCH, seq=ZIPF_SEQ, vocab=ZIPF_VOCAB, ids=ids), {"vocab_size": ZIPF_VOCAB}
+
+
 def test_fused_embed_rmsnorm_is_the_backward_of_embedding_plus_rmsnorm():
     g = G()
     V, H, eps = 50, 16, 1e-6
-    E = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(H, generator=g, dtype=torch.float64)).requires_grad_()
-    ids = torch.randint(0, V, (3, 20), generator=g)
+    E = torch.randn(V, H, generator=g).double().requires_grad_()  # fp32 values: the slot's fp32 hidden is exact
+    w = (1 + 0.1 * torch.randn(H, generator=g, dtype=torch.float64)).bfloat16().double().requires_grad_()
+    ids = zipf_ids(g, V, 8, 128, 1.1)  # the most frequent row takes ~200 of the 1,024 contributions
     h = E[ids]
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
-    go = torch.randn(y.shape, generator=g, dtype=torch.float64) * 1e-3
-    y.backward(go)
+    go = (torch.randn(y.shape, generator=g, dtype=torch.float64) * 1e-3).bfloat16()
+    y.backward(go.double())  # the exact gradient for the bf16 grad_output and norm_weight the contract passes
     hf = h.detach().float()
     rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    ge, gw = SLOTS["fused_embed_rmsnorm"].reference(go.bfloat16(), ids, hf, rstd, w.detach().bfloat16(), vocab_size=V)
-    # The contract passes grad_output and norm_weight in bf16 and returns bf16: error ~ a few bf16 ulps.
-    assert rel(ge, E.grad) < 1e-2 and rel(gw, w.grad) < 1e-2
+    ge, gw = SLOTS["fused_embed_rmsnorm"].reference(go, ids, hf, rstd, w.detach().bfloat16(), vocab_size=V)
     assert ge.dtype == torch.bfloat16 and ge.shape == (V, H)
+    assert within_rule_of_one_rounding(ge, E.grad) and within_rule_of_one_rounding(gw, w.grad)
 
 
 def test_rmsnorm_pair_matches_autograd():
@@ -90,19 +113,26 @@ def test_swiglu_and_cross_entropy_direct():
 @pytest.mark.parametrize("slot", list(SLOTS))
 def test_oracle_and_nulls_agree_with_reference_within_rounding(slot):
     c = SLOTS[slot]
-    inputs = c.make_inputs(G())
-    ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
+    if slot == "fused_embed_rmsnorm":
+        inputs, ctx = zipf_embed_inputs()
+    else:
+        inputs = c.make_inputs(G())
+        ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
     ref = as_tuple(c.reference(*inputs, **ctx))
     orc = as_tuple(c.oracle(*inputs, **ctx))
     for r, o in zip(ref, orc):
         assert o.dtype == torch.float64
-        tol = 1e-2 if r.dtype == torch.bfloat16 else 1e-5
-        assert rel(r, o) < tol
+        if r.dtype == torch.bfloat16:
+            assert within_rule_of_one_rounding(r, o), f"{slot}: {rel(r, o):.2e} vs one rounding {rel(o.to(r.dtype), o):.2e}"
+        else:
+            # An fp32 reference of several ops makes 1-18x one fp32 rounding (attn_softcap 3.9e-7, measured), so
+            # one rounding is no baseline here; 1e-5 is 25x that worst and 100x below what bf16 arithmetic makes.
+            assert rel(r, o) < 1e-5
     assert len(NULLS[slot]) >= 2
     for fn, _ in NULLS[slot]:
         for n, r, o in zip(as_tuple(fn(*inputs, **ctx)), ref, orc):
             assert n.dtype == r.dtype and n.shape == r.shape
-            assert rel(n, o) <= 2 * rel(r, o) + torch.finfo(r.dtype).eps
+            assert rel(n, o) <= rule.allowed(rel(r, o), r.dtype)
 
 
 def test_build_kernels_fills_every_slot_with_reference():

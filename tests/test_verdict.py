@@ -166,8 +166,12 @@ def test_metric_with_too_few_points_is_reported():
     res = V.judge_metric("kl", np.array([0, 10]), np.array([0.0, 5.0]), np.array([0.0, 5.0]),
                          [np.array([0.0, 0.0])], 3.0, 3)
     assert res["too_few_points"] and not res["flagged"]
-    ov = V.optimizer_verdict({"status": "OK"}, [res])
-    assert ov["verdict"] == "INCONCLUSIVE" and "kl" in ov["detail"]
+    ov = V.optimizer_verdict({"status": "OK"}, [res])  # reported; the per-step loss and gradients still judge
+    assert ov["verdict"] == "PASS" and ov["too_few_points"] == ["kl"] and "kl" in ov["detail"]
+    loss = V.judge_metric("loss", np.array([0, 10]), np.array([0.0, 5.0]), np.array([0.0, 5.0]),
+                          [np.array([0.0, 0.0])], 3.0, 3)
+    ov = V.optimizer_verdict({"status": "OK"}, [res, loss])  # the training loss itself cannot flag: no pass
+    assert ov["verdict"] == "INCONCLUSIVE" and "loss" in ov["detail"]
     assert V.ab_signal({"sgd": ov})["verdict"] == "INCONCLUSIVE"
 
 

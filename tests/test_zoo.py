@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from divergence.candidates.loader import load_candidate
+from divergence.detect import rule
 from divergence.errors import CandidateError
 from divergence.recipe import REPO_ROOT
 from divergence.slots import SLOTS, attn_softcap, fused_embed_rmsnorm, rmsnorm_backward, rope
@@ -22,8 +23,6 @@ from divergence.slots.contract import as_tuple
 from divergence.slots.registry import sha256_of
 from divergence.zoo import DEMO, ZOO, ZOO_DIR, members, zoo_path
 
-BF16_FLOOR = 2.0**-10  # relative error of one rounding to bf16, about: the floor under "2x the reference"
-FP32_FLOOR = 2.0**-20
 CUDA = torch.cuda.is_available()
 
 # Word-level WikiText-2: the most frequent words get the smallest ids, as a tokenizer's merges would.
@@ -34,8 +33,9 @@ def rel(out, oracle) -> float:
     return ((out.double() - oracle).norm() / oracle.norm()).item()
 
 
-def bound(ref_err: float, floor: float = BF16_FLOOR) -> float:
-    return 2.0 * max(ref_err, floor)
+def bound(ref_err: float, dtype: torch.dtype = torch.bfloat16) -> float:
+    """The one error rule (divergence/detect/rule.py) for an output of `dtype` (bf16 unless said)."""
+    return rule.allowed(ref_err, dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,7 +254,7 @@ def test_softcap_wrong_cap_is_right_at_gemma2s_cap():
     impl, contract = load("softcap_wrong_cap"), SLOTS["attn_softcap"]
     (err,), (ref,) = errors(impl, attn_softcap.make_inputs(torch.Generator().manual_seed(0), scale=30.0, cap=50.0),
                             contract)
-    assert err <= bound(ref, FP32_FLOOR)
+    assert err <= bound(ref, torch.float32)
 
 
 def test_rope_table_is_right_at_theta_10000_and_wrong_at_500000():
@@ -263,7 +263,7 @@ def test_rope_table_is_right_at_theta_10000_and_wrong_at_500000():
         inputs = rope.make_inputs(torch.Generator().manual_seed(0), theta=theta)
         (eq, ek), (rq, rk) = errors(impl, inputs, contract)
         if ok:
-            assert eq <= bound(rq, FP32_FLOOR) and ek <= bound(rk, FP32_FLOOR)
+            assert eq <= bound(rq, torch.float32) and ek <= bound(rk, torch.float32)
         else:
             assert eq > 0.1 and ek > 0.1, (eq, ek)
 
@@ -272,7 +272,7 @@ def test_rmsnorm_bwd_no_mean_is_wrong_in_grad_x_only():
     impl, contract = load("rmsnorm_bwd_no_mean"), SLOTS["rmsnorm_backward"]
     (ex, ew), (rx, rw) = errors(impl, rmsnorm_backward.make_inputs(torch.Generator().manual_seed(0)), contract)
     assert ex > 1e-2 and ex > 1e4 * rx, (ex, rx)
-    assert ew <= bound(rw, FP32_FLOOR)
+    assert ew <= bound(rw, torch.float32)
 
 
 def test_the_demo_is_the_triton_twin_on_a_gpu_with_triton_only(monkeypatch):

@@ -320,9 +320,12 @@ def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enab
         ls = v.get("lockstep") or {}
         if ls.get("mutated_input"):
             ls["wrong"] = True
+            said = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
             if v["verdict"] in ("PASS", "INCONCLUSIVE"):
                 v["verdict"] = "WRONG"
-                v["detail"] = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
+                v["detail"] = said
+            else:  # the A/B saw what the mutation does; the detail names the cause first
+                v["detail"] = f"{said}; {v['detail']}" if v.get("detail") else said
         if ls.get("global_state"):
             ls["wrong"] = True
             if v["verdict"] in ("PASS", "INCONCLUSIVE"):

@@ -17,43 +17,35 @@ Nothing here raises into the A/B run: a failure prints one line and the verdict 
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import netrc
 import os
-import sys
 import time
-import types
 import warnings
 from pathlib import Path
-from urllib.parse import urlparse
 
 PROJECT = "divergence"
 
 
-def has_api_key() -> bool:
-    """An API key wandb would use: WANDB_API_KEY, an identity token file, or a netrc entry for its host."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
+def has_api_key(wandb) -> bool:
+    """Whether wandb has credentials, asked through its public `wandb.login`: it looks where `wandb.init` would
+    (WANDB_API_KEY, an identity token file, its settings files, netrc for its host). prompt=False never asks,
+    verify=False never calls the server; `wandb.setup(silent)` first, else a found key prints a line and looks
+    the user name up over the network (5 s here, without one)."""
+    wandb.setup(wandb.Settings(silent=True))
+    return bool(wandb.login(prompt=False, verify=False))
 
 
-def choose_mode() -> tuple:
+def choose_mode(wandb) -> tuple:
     """(mode, why): WANDB_MODE if set, else online with an API key, else offline."""
     if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
         return "disabled", "WANDB_DISABLED"
     m = os.environ.get("WANDB_MODE")
     if m:
         mode = {"dryrun": "offline", "run": "online"}.get(m, m)
-        if mode == "online" and not has_api_key():  # wandb would stop and ask for a key at the end of the run
+        if mode == "online" and not has_api_key(wandb):  # wandb would stop and ask for a key at the end of the run
             return "offline", f"WANDB_MODE={m} but no API key"
         return mode, f"WANDB_MODE={m}"
-    if has_api_key():
+    if has_api_key(wandb):
         return "online", "logged in"
     return "offline", "no API key"
 
@@ -81,11 +73,11 @@ def _safely(out: Path, log):
               f"then divergence report {out} --wandb)")
         return None
     try:
-        mode, why = choose_mode()
+        mode, why = choose_mode(wandb)
         if mode == "disabled":
             print(f"wandb: off ({why}); results are in {out}")
             return {"mode": mode, "group": None, "runs": [], "seconds": 0.0}
-        with warnings.catch_warnings(), _no_launch_inputs():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return log(wandb, mode, why)
     except Exception as e:
@@ -105,33 +97,10 @@ def _safely(out: Path, log):
             pass
 
 
-@contextlib.contextmanager
-def _no_launch_inputs():
-    """Every wandb.init applies W&B Launch's staged job inputs, and importing that module pulls in all of
-    `wandb.sdk.launch`, whose pydantic models look up docstrings through `inspect.getmodule` over every loaded
-    module: 9-15 s of CPU in a process that has torch and Lightning loaded (1,766 modules), more than the 13 runs
-    themselves. Inputs are only ever staged by code that imported that module already; where it is not loaded
-    there are none, and a stand-in that applies nothing is exact."""
-    name = "wandb.sdk.launch.inputs.internal"
-    if name in sys.modules:
-        yield
-        return
-
-    class StagedLaunchInputs:
-        def apply(self, run):
-            pass
-
-    stub = types.ModuleType(name)
-    stub.StagedLaunchInputs = StagedLaunchInputs
-    sys.modules[name] = stub
-    try:
-        yield
-    finally:
-        if sys.modules.get(name) is stub:
-            del sys.modules[name]
-
-
 def _settings(wandb):
+    # The first wandb.init of a process also imports W&B Launch's staged-inputs module (wandb_run.py applies
+    # them): measured 0.8 s CPU, 1.3 s wall, with torch and Lightning loaded (wandb 0.31.0, 2026-11-23, 2-core CPU
+    # dev machine); once per process, so paid as it is rather than by stubbing a private module.
     # Post-hoc logging has nothing to watch: no console capture, system stats, git, code or package list (the
     # package list alone took ~0.2 s of CPU per run; the environment that matters is in `config.env`).
     kw = dict(silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True, disable_git=True,
