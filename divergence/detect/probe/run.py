@@ -24,7 +24,8 @@ from ...errors import UserError
 from ..rule import RATIO
 from ...slots.contract import as_tuple, oracle_inputs
 from . import checks
-from .inputs import family_seed, families as slot_families
+from .families import families as slot_families
+from .inputs import family_seed
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
 REPEATS = 3  # runs of one input for the determinism check
@@ -48,12 +49,13 @@ def resolve_device(device: Optional[str]) -> str:
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
-              echo: Optional[Callable] = None) -> dict:
+              echo: Optional[Callable] = None, recipe=None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
     Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
-    seed is chosen, so a run that dies midway can still be repeated.
+    seed is chosen, so a run that dies midway can still be repeated. `recipe` (a name or a Recipe; None: the
+    probe's default, captured.DEFAULT_RECIPE) is the one whose training run the captured families come from.
     """
     from ...candidates.resolve import resolve
     from ...slots import SLOTS
@@ -62,7 +64,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     contract = SLOTS[slot]
     device = resolve_device(device)
     seed = fresh_seed() if seed is None else int(seed)
-    fams, notes = slot_families(slot, device)
+    fams, notes = slot_families(slot, device, recipe)
     if only:
         unknown = sorted(set(only) - {f.name for f in fams})
         if unknown:
@@ -310,14 +312,15 @@ def default_candidate(slot: str, device: str = "cpu") -> str:
 
 
 def command(kernel: str, candidate: Optional[str], seed: Optional[int], out: Optional[str], device: Optional[str],
-            only: Optional[list] = None) -> int:
+            only: Optional[list] = None, recipe: Optional[str] = None) -> int:
     """`divergence probe`: prints the seed, the findings table, notes and a last line with the verdict; returns
     0 (pass) or 1 (findings). Bad input raises UserError (exit 2)."""
     spec = candidate or default_candidate(kernel, resolve_device(device))
     if out is None:
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=lambda s: print(s, flush=True))
+    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=lambda s: print(s, flush=True),
+                    recipe=recipe)
     print(format_table(res))
     for n in res["notes"]:
         print(f"note: {n}")
