@@ -36,6 +36,8 @@ def expected_checks(name: str) -> set:
         return {"reuse"}
     if "only supports" in text:
         return {"exception"}
+    if "non-finite" in text:
+        return {"nonfinite"}
     if "op-level" in text:
         return {"error", "row_error"}
     return set()
