@@ -57,4 +57,4 @@ probe-calibration:
 	$(PY) benchmarks/probe_calibration.py $(ARGS)
 
 clean:
-	rm -rf results wandb data/tok-* data/ids-*
+	rm -rf results wandb data/tok-* data/ids-* data/captures

@@ -112,3 +112,21 @@ def magnitude_families(slot: str) -> list:
                 continue  # one float input: all together is the same family
             fams += [_family(slot, sw, which, f, dtype) for f in GRID]
     return fams
+
+
+def compact(names: list) -> list:
+    """Family names for one line: each sweep's run of factors as `scale:x=1e-8..1e4` (12), the rest as they are."""
+    out, runs = [], {}
+    for n in names:
+        if n.startswith("scale:") and "=" in n:
+            head, _, rest = n.partition("=")
+            factor, _, dtype = rest.partition(":")
+            key = (head, dtype)
+            if key not in runs:
+                runs[key] = []
+                out.append(key)
+            runs[key].append(factor)
+        else:
+            out.append(n)
+    return [x if isinstance(x, str) else
+            f"{x[0]}={runs[x][0]}..{runs[x][-1]}{':' + x[1] if x[1] else ''} ({len(runs[x])})" for x in out]

@@ -26,6 +26,7 @@ from ...slots.contract import as_tuple, oracle_inputs
 from . import checks
 from .families import families as slot_families
 from .inputs import family_seed
+from .magnitudes import compact
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
 REPEATS = 3  # runs of one input for the determinism check
@@ -276,7 +277,7 @@ def format_table(result: dict) -> str:
     """The findings, one line each: check, input family, shape, seed, error, allowed, detail."""
     if not result["findings"]:
         return f"no findings in {len(result['families'])} input families: " + \
-            ", ".join(f["family"] for f in result["families"])
+            ", ".join(compact([f["family"] for f in result["families"]]))
     cols = ("check", "family", "shape", "seed", "error", "allowed", "detail")
     rows = [(f["check"], f["family"], f["shape"], str(f["seed"]), _num(f["error"]), _num(f["allowed"]), f["detail"])
             for f in result["findings"]]
