@@ -147,7 +147,8 @@ def capture_recipe(recipe, device: str):
     r = copy.deepcopy(recipe)
     r.train.steps = min(r.train.steps, MAX_STEPS)
     r.train.device, r.train.compile, r.train.progress = device, None, False
-    r.train.val_every = r.train.steps  # evaluations feed no slot input the capture keeps: two, not one per 10 steps
+    # Evaluations and snapshots feed no slot input the capture keeps: two of each, not one every few steps.
+    r.train.val_every, r.train.snapshot_every = r.train.steps, 0
     return r
 
 
