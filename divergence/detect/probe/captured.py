@@ -157,9 +157,9 @@ def cache_folder(recipe, device: str) -> Path:
 
     d = recipe.to_dict()
     d.pop("path", None)
-    d.pop("ab", None)  # the A/B's settings change nothing a reference run computes
-    blob = json.dumps({"format": FORMAT, "recipe": d, "device": device, "code": code_version()}, sort_keys=True,
-                      default=str)
+    d.pop("ab", None)  # the A/B's settings change nothing a reference run computes, but for its optimizer:
+    blob = json.dumps({"format": FORMAT, "recipe": d, "optimizer": _optimizer(recipe), "device": device,
+                       "code": code_version()}, sort_keys=True, default=str)
     return cache_dir(recipe.data) / "captures" / f"{recipe.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -176,7 +176,7 @@ def _optimizer(recipe) -> str:
 
 
 def capture(recipe, device: str) -> dict:
-    """Train the capture run and write one file per slot; returns {"seconds", "status", "folder"}."""
+    """Train the capture run and write one file per slot; returns {"seconds", "folder"}."""
     from ...train.arm import ArmSpec, run_arm
     from ...train.quiet import quiet_lightning
 
