@@ -179,6 +179,7 @@ def capture(recipe, device: str) -> dict:
     """Train the capture run and write one file per slot; returns {"seconds", "folder"}."""
     from ...train.arm import ArmSpec, run_arm
     from ...train.quiet import quiet_lightning
+    import lightning.pytorch  # noqa: F401 -- its import sets its loggers to INFO: quieten them after it
 
     quiet_lightning()
     folder = cache_folder(recipe, device)
