@@ -11,7 +11,7 @@ CANDIDATE ?=
 OPTS ?=
 ARGS ?=
 
-.PHONY: setup test test-all train ab probe report bench soak data-stats clean
+.PHONY: setup test test-all train ab probe probe-calibration report bench soak data-stats clean
 
 # Creates .venv and installs the package. torch is pinned through constraints.txt (torch==2.13.0) so a CPU
 # machine keeps the CPU build; where python3 already has a torch (e.g. a CUDA build on a GPU box), the venv sees
@@ -54,5 +54,9 @@ soak:
 bench:
 	$(PY) benchmarks/bench.py $(ARGS)
 
+# The probe's calibration table (issue 17): calibration members caught by their named family, good ones passed.
+probe-calibration:
+	$(PY) benchmarks/probe_calibration.py $(ARGS)
+
 clean:
-	rm -rf results wandb data/tok-* data/ids-*
+	rm -rf results wandb data/tok-* data/ids-* data/captures

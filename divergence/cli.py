@@ -92,7 +92,7 @@ def cmd_probe(args) -> int:
 
     only = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     return command(args.kernel, args.candidate, args.seed, args.out, args.device, only, args.shape, args.definition,
-                   args.definitions)
+                   args.definitions, args.recipe)
 
 
 def _add_shapes(p):
@@ -115,6 +115,8 @@ def _add_probe(sub):
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where available")
     p.add_argument("--families", help="comma-separated input families to run (default: all)")
     _add_shapes(p)
+    p.add_argument("--recipe", help="recipe whose training run the captured families come from (default: tiny "
+                                    "with a softcap on CPU, h200-softcap on CUDA)")
     p.set_defaults(fn=cmd_probe)
 
 

@@ -111,7 +111,8 @@ def test_a_crash_names_family_shape_and_signal_and_the_rest_runs_in_a_fresh_work
     (f,) = res["findings"]
     assert (f["check"], f["family"], f["shape"]) == ("crash", "odd", "rows=37 ff=177")
     assert "signal 11 (SIGSEGV)" in f["detail"] and "Segmentation fault" in f["detail"]
-    assert len(res["families"]) == 9  # the families after `odd` ran in a fresh worker
+    names = [f["family"] for f in res["families"]]
+    assert names.index("odd") < len(names) - 1  # the families after `odd` ran in a fresh worker
     assert "Fatal Python error" in (tmp_path / "p" / "worker.log").read_text()  # the dump is kept, off the table
 
 

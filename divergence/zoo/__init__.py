@@ -22,6 +22,9 @@ class ZooEntry:
     models: str  # the failure it models (or the legitimate variation, for a good one)
     caught_by: str  # the check expected to catch it ('' for a good one)
     gpu_only: bool = False  # needs CUDA (a Triton or CUDA C++ kernel); skipped on CPU
+    # Calibration members (issue 17): the probe family that must catch it, while the synthetic families
+    # (probe/inputs.py) pass it: each is wrong only at magnitudes those never reach.
+    probe_family: str = ""
 
 
 ZOO: dict = {
@@ -90,6 +93,27 @@ ZOO: dict = {
     "rope_table_thetas": ZooEntry(
         "rope", "bad", "cos/sin from a table precomputed for theta=10000, silently used for any other theta",
         "op-level check at the recipe's theta (e.g. 500000); invisible at theta 10000"),
+    # ---- calibration (issue 17): right at the synthetic families' magnitudes, wrong at training's ----
+    "embed_skip_tiny": ZooEntry(
+        "fused_embed_rmsnorm", "bad", "skips per-token gradient elements below 1e-6 (to save atomics)",
+        "op-level error at small upstream gradients (magnitude sweep)", probe_family="scale:grad_output=1e-4"),
+    "embed_recompute_eps": ZooEntry(
+        "fused_embed_rmsnorm", "bad", "recomputes rstd with eps 1e-5 (Llama's) instead of loading the saved one",
+        "op-level error where mean(h^2) is the size of eps (magnitude sweep)",
+        probe_family="scale:hidden_states_fp32=1e-3"),
+    "rmsnorm_eps_fixed": ZooEntry(
+        "rmsnorm", "bad", "eps hard-coded to 1e-6, the eps argument ignored",
+        "op-level error at any other eps (magnitude sweep)", probe_family="scale:eps=1e4"),
+    "softcap_no_max": ZooEntry(
+        "attn_softcap", "bad", "softmax without max-subtraction, since the cap bounds the scores (caps < 88)",
+        "op-level non-finite check once the cap passes exp's overflow (magnitude sweep)",
+        probe_family="scale:cap=1e2"),
+    "swiglu_fp16_math": ZooEntry(
+        "swiglu", "bad", "bf16 inputs computed in fp16 (range 6e-8..65504)",
+        "op-level error at bf16 magnitudes outside fp16's range (magnitude sweep)", probe_family="scale:up=1e-8:bf16"),
+    "rope_fp16_rotation": ZooEntry(
+        "rope", "bad", "bf16 q, k rotated in fp16 (range 6e-8..65504)",
+        "op-level error at bf16 magnitudes outside fp16's range (magnitude sweep)", probe_family="scale:q=1e-8:bf16"),
     # ---- rmsnorm_backward ----
     "rmsnorm_bwd_no_mean": ZooEntry(
         "rmsnorm_backward", "bad", "grad_x without its mean (projection) term",

@@ -24,6 +24,7 @@ from ...errors import UserError
 from ..rule import RATIO
 from . import checks
 from . import shapes as shaped
+from .magnitudes import compact
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
 RULE = (f"relative L2 error vs the float64 oracle <= {RATIO:g} x the reference's own error on the same input "
@@ -46,14 +47,15 @@ def resolve_device(device: Optional[str]) -> str:
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
-              echo: Optional[Callable] = None, shapes: Optional[dict] = None, limits=None) -> dict:
+              echo: Optional[Callable] = None, shapes: Optional[dict] = None, limits=None, recipe=None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
     Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
     candidate has loaded, so a run that dies midway can still be repeated. `shapes`: the declared shapes
     (probe/shapes.py): the families run there, and a failure only elsewhere is a generality note, not a finding.
-    `limits` (isolate.Limits): the watchdog's, default isolate.DEFAULT.
+    `limits` (isolate.Limits): the watchdog's, default isolate.DEFAULT. `recipe` (a name or a Recipe; None: the
+    probe's default, captured.DEFAULT_RECIPE) is the one whose training run the captured families come from.
     """
     from ...slots import SLOTS
     from . import isolate
@@ -63,7 +65,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     contract = SLOTS[slot]
     device = resolve_device(device)
     seed = fresh_seed() if seed is None else int(seed)
-    fams, notes, others = shaped.families(slot, device, shapes)
+    fams, notes, others = shaped.families(slot, device, shapes, recipe)
     if only:
         unknown = sorted(set(only) - {f.name for f in fams})
         if unknown:
@@ -88,7 +90,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         impl, findings, ran, notes = isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes,
                                                    Path(out_dir) / "worker.log", limits, on_loaded=loaded,
                                                    rebuild=("divergence.detect.probe.shapes", "families",
-                                                            (slot, device, shapes)))
+                                                            (slot, device, shapes, recipe)))
     finally:
         torch.set_num_threads(threads)
     wall = time.perf_counter() - t0
@@ -170,7 +172,7 @@ def format_table(result: dict) -> str:
     """The findings, one line each: check, input family, shape, seed, error, allowed, detail."""
     if not result["findings"]:
         return f"no findings in {len(result['families'])} input families: " + \
-            ", ".join(f["family"] for f in result["families"])
+            ", ".join(compact([f["family"] for f in result["families"]]))
     cols = ("check", "family", "shape", "seed", "error", "allowed", "detail")
     rows = [(f["check"], f["family"], f["shape"], str(f["seed"]), _num(f["error"]), _num(f["allowed"]), f["detail"])
             for f in result["findings"]]
@@ -209,7 +211,7 @@ def default_candidate(slot: str, device: str = "cpu") -> str:
 
 def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int], out: Optional[str],
             device: Optional[str], only: Optional[list] = None, shape: Optional[str] = None,
-            definition: Optional[str] = None, definitions: Optional[str] = None) -> int:
+            definition: Optional[str] = None, definitions: Optional[str] = None, recipe: Optional[str] = None) -> int:
     """`divergence probe`: prints the seed, the findings table, notes and a last line with the verdict; returns
     0 (pass), 1 (findings) or 2 (NEEDS-SHAPES: no numerical verdict). Bad input raises UserError (exit 2)."""
     echo = lambda s: print(s, flush=True)  # noqa: E731
@@ -219,7 +221,7 @@ def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int]
     if out is None:
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=echo, shapes=shapes)
+    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=echo, shapes=shapes, recipe=recipe)
     print(format_table(res))
     for n in res["notes"]:
         print(f"note: {n}")

@@ -89,9 +89,12 @@ def _embed_declared(shapes: dict, device: str) -> list:
     return fams
 
 
-def families(slot: str, device: str, shapes: Optional[dict]) -> tuple:
-    """(families to run, notes, names of the families at undeclared shapes)."""
-    fams, notes = fam_inputs.families(slot, device)
+def families(slot: str, device: str, shapes: Optional[dict], recipe=None) -> tuple:
+    """(families to run, notes, names of the families at undeclared shapes). `recipe`: the training run the
+    captured families come from (families.py)."""
+    from .families import families as all_families
+
+    fams, notes = all_families(slot, device, recipe)
     model = _model_axes(shapes)
     if not shapes:
         return fams, notes, set()
