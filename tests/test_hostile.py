@@ -110,7 +110,10 @@ def test_a_crash_names_family_shape_and_signal_and_the_rest_runs_in_a_fresh_work
     res = run_probe("swiglu", str(spec), tmp_path / "p", seed=1, limits=FAST)
     (f,) = res["findings"]
     assert (f["check"], f["family"], f["shape"]) == ("crash", "odd", "rows=37 ff=177")
-    assert "signal 11 (SIGSEGV)" in f["detail"] and "Segmentation fault" in f["detail"]
+    assert "signal 11 (SIGSEGV)" in f["detail"]
+    # faulthandler's dump lands in the worker's log (its last line is quoted in the detail when it was flushed in
+    # time: not always, under load)
+    assert "Segmentation fault" in (tmp_path / "p" / "worker.log").read_text()
     names = [f["family"] for f in res["families"]]
     assert names.index("odd") < len(names) - 1  # the families after `odd` ran in a fresh worker
     assert "Fatal Python error" in (tmp_path / "p" / "worker.log").read_text()  # the dump is kept, off the table

@@ -8,9 +8,11 @@ from divergence.recipe import RECIPES_DIR
 
 
 def wandb_runs(folder) -> list:
-    from test_wandb import _parsed, read_run  # the record reader that test_wandb checks against `wandb leet`
+    from test_wandb import _leet, read_run  # wandb's own reader (`wandb leet inspect --json`), as test_wandb
 
-    return [read_run(d, _parsed(d)) for d in sorted(folder.glob("**/wandb/offline-run-*"))]
+    dirs = sorted(folder.glob("**/wandb/offline-run-*"))
+    recs = _leet(dirs)
+    return [read_run(d, recs[d]) for d in dirs]
 
 
 def check_wandb_groups(out, rows):
