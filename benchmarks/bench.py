@@ -309,10 +309,9 @@ def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, ste
 # ------------------------------------------------------------------------------------------------- driver
 
 
-def environment(device: str) -> dict:
-    from divergence.train.arm import environment as arm_environment
-
-    env = arm_environment(device)
+def _versions(device: str) -> dict:
+    """What the bench records beyond an arm's `environment`: the lightning, Triton and CUDA versions."""
+    env = {}
     try:
         import lightning
 
@@ -357,21 +356,10 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
               compile_backend="recipe", peak=None, out=None, workdir=None, profile_dir=None, log=print) -> dict:
     """`compile_backend`: "recipe" keeps the recipe's `train.compile`; None or a backend name overrides it for
     the harness arms and the like-for-like bare loop (not for --soak, which runs the recipe as it is)."""
-    from divergence.train.quiet import quiet_lightning
-    from divergence.data import load_corpus
-    from divergence.recipe import load_recipe
     from divergence.train.arm import model_vocab, resolve_device, resolve_precision
+    from divergence.data import load_corpus
 
-    import lightning.pytorch  # noqa: F401  (imported first: it sets its loggers' levels on import)
-
-    quiet_lightning()
-    recipe = load_recipe(recipe_name)
-    if compile_backend != "recipe":
-        recipe.train.compile = compile_backend
-        recipe.train.validate(f"{recipe.path}: train (--compile)")
-    backend = recipe.train.compile
-    if "sgd" not in recipe.optimizers:
-        raise SystemExit(f"{recipe.path}: the bench trains with SGD; the recipe has no optimizers.sgd")
+    recipe = _bench_recipe(recipe_name, compile_backend)
     device = resolve_device(recipe)
     precision = resolve_precision(recipe, device)
     steps = steps or (min(recipe.train.steps, 400) if device == "cuda" else min(recipe.train.steps, 20))
@@ -380,17 +368,71 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
     warmup = warmup if warmup is not None else max(2, min(20, steps // 10))
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
-    tokens = recipe.tokens_per_step
-    peak = peak_tflops(device, peak)
-    res = {"schema": SCHEMA_VERSION, "recipe": recipe.name, "recipe_path": str(recipe.path),
-           "created": time.strftime("%Y-%m-%d %H:%M:%S"), "env": environment(device), "precision": precision,
-           "shape": {"n_layers": recipe.model.n_layers, "d_model": recipe.model.d_model,
-                     "n_heads": recipe.model.n_heads, "d_ff": recipe.model.d_ff, "seq_len": recipe.model.seq_len,
-                     "batch_size": recipe.train.batch_size, "vocab_size": vocab, "tokens_per_step": tokens},
-           "optimizer": {"name": "sgd", "lr": recipe.optimizers["sgd"].lr}, "peak_tflops": peak, "compile": backend}
-    log(f"bench: recipe {recipe.name} on {res['env'].get('gpu', device)}, {tokens} tokens/step, {precision}, "
-        f"compile {backend or 'none (eager)'}")
+    res = _header(recipe, device, precision, vocab, peak_tflops(device, peak))
+    log(f"bench: recipe {recipe.name} on {res['env'].get('gpu', device)}, {recipe.tokens_per_step} tokens/step, "
+        f"{precision}, compile {res['compile'] or 'none (eager)'}")
+    bare, baseline = _bare_loops(res, recipe, corpus, vocab, device, precision, steps, warmup, log)
+    tmp = tempfile.TemporaryDirectory(prefix="divergence-bench-", dir=workdir)
+    work = Path(tmp.name)
+    try:
+        log(f"  harness arm: {steps} steps ...")
+        h = harness_arm(recipe, corpus, steps, work, "plain")
+        # vs_bare: against the bare loop compiled as the harness is (like for like); vs_bare_eager: against eager
+        res["harness"] = {**h, **_rate(h["ms_per_step"], recipe.tokens_per_step, res["flops_per_step"],
+                                       res["peak_tflops"]),
+                          "vs_bare": baseline["ms_per_step"] / h["ms_per_step"],
+                          "vs_bare_eager": bare["ms_per_step"] / h["ms_per_step"]}
+        if lockstep:
+            res["lockstep"] = _lockstep_cost(recipe, corpus, steps, work,
+                                             lockstep_candidate or default_lockstep_candidate(device), log)
+        if profile_dir:
+            log(f"  profiles (torch.profiler, cProfile) into {profile_dir} ...")
+            profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir))
+    finally:
+        tmp.cleanup()
+    res["soak"] = _bench_soak(recipe, log) if do_soak else None
+    log(format_table(res))
+    if out:
+        _write_result(res, out, log)
+    return res
 
+
+def _bench_recipe(recipe_name: str, compile_backend):
+    """The recipe, its `train.compile` overridden unless `compile_backend` is "recipe"; it must train with SGD."""
+    from divergence.train.quiet import quiet_lightning
+    from divergence.recipe import load_recipe
+
+    import lightning.pytorch  # noqa: F401  (imported first: it sets its loggers' levels on import)
+
+    quiet_lightning()
+    recipe = load_recipe(recipe_name)
+    if compile_backend != "recipe":
+        recipe.train.compile = compile_backend
+        recipe.train.validate(f"{recipe.path}: train (--compile)")
+    if "sgd" not in recipe.optimizers:
+        raise SystemExit(f"{recipe.path}: the bench trains with SGD; the recipe has no optimizers.sgd")
+    return recipe
+
+
+def _header(recipe, device: str, precision: str, vocab: int, peak) -> dict:
+    """The result's description of the run: recipe, environment, model shape, optimizer, peak, compile backend."""
+    from divergence.train.arm import environment
+
+    return {"schema": SCHEMA_VERSION, "recipe": recipe.name, "recipe_path": str(recipe.path),
+            "created": time.strftime("%Y-%m-%d %H:%M:%S"), "env": {**environment(device), **_versions(device)},
+            "precision": precision,
+            "shape": {"n_layers": recipe.model.n_layers, "d_model": recipe.model.d_model,
+                      "n_heads": recipe.model.n_heads, "d_ff": recipe.model.d_ff, "seq_len": recipe.model.seq_len,
+                      "batch_size": recipe.train.batch_size, "vocab_size": vocab,
+                      "tokens_per_step": recipe.tokens_per_step},
+            "optimizer": {"name": "sgd", "lr": recipe.optimizers["sgd"].lr}, "peak_tflops": peak,
+            "compile": recipe.train.compile}
+
+
+def _bare_loops(res, recipe, corpus, vocab, device, precision, steps, warmup, log) -> tuple:
+    """The bare PyTorch loop, eager and (where the recipe compiles) compiled, into `res`; returns the eager one and
+    the one the harness is compared with like for like."""
+    backend, tokens, peak = res["compile"], recipe.tokens_per_step, res["peak_tflops"]
     log(f"  bare loop: {warmup} warm-up + {steps} timed steps ...")
     bare = bare_loop(recipe, corpus, vocab, device, precision, steps, warmup)
     flops = model_flops_per_step(recipe.model, bare["n_params"], tokens)
@@ -402,47 +444,34 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
         log(f"  bare loop under torch.compile (backend {backend}) ...")
         comp = bare_loop(recipe, corpus, vocab, device, precision, steps, max(warmup, 3), backend)
         res["bare_compiled"] = baseline = {**comp, **_rate(comp["ms_per_step"], tokens, flops, peak)}
+    return bare, baseline
 
-    tmp = tempfile.TemporaryDirectory(prefix="divergence-bench-", dir=workdir)
-    work = Path(tmp.name)
-    try:
-        log(f"  harness arm: {steps} steps ...")
-        h = harness_arm(recipe, corpus, steps, work, "plain")
-        # vs_bare: against the bare loop compiled as the harness is (like for like); vs_bare_eager: against eager
-        res["harness"] = {**h, **_rate(h["ms_per_step"], tokens, flops, peak),
-                          "vs_bare": baseline["ms_per_step"] / h["ms_per_step"],
-                          "vs_bare_eager": bare["ms_per_step"] / h["ms_per_step"]}
-        if lockstep:
-            cand = lockstep_candidate or default_lockstep_candidate(device)
-            log(f"  harness arm with lockstep on fused_embed_rmsnorm ({cand}), every "
-                f"{recipe.ab.lockstep_every} step(s): {steps} steps ...")
-            # The check rides in the candidate's arm: its cost is that arm with it against the same arm without.
-            slot = {"fused_embed_rmsnorm": cand}
-            plain_c = harness_arm(recipe, corpus, steps, work, "candidate", kernels=slot)
-            c = harness_arm(recipe, corpus, steps, work, "lockstep", lockstep="fused_embed_rmsnorm", kernels=slot)
-            extra = c["ms_per_step"] - plain_c["ms_per_step"]
-            res["lockstep"] = {**c, "candidate_spec": cand, "every": recipe.ab.lockstep_every,
-                               "candidate_ms_per_step": plain_c["ms_per_step"],
-                               "extra_ms_per_step": extra, "overhead": extra / plain_c["ms_per_step"]}
-        if profile_dir:
-            log(f"  profiles (torch.profiler, cProfile) into {profile_dir} ...")
-            profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir))
-    finally:
-        tmp.cleanup()
-    if do_soak:
-        soak_dir = Path("results") / f"bench-soak-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        log(f"  soak: divergence ab --kernel fused_embed_rmsnorm --recipe {recipe.name} (results in {soak_dir}) ...")
-        res["soak"] = soak(recipe, soak_dir)
-    else:
-        res["soak"] = None
-    log(format_table(res))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        from divergence.train.metrics import dumps  # strict JSON: a non-finite rate is written as "nan"/"inf"
 
-        Path(out).write_text(dumps(res, indent=1) + "\n")
-        log(f"written: {out}")
-    return res
+def _lockstep_cost(recipe, corpus, steps, work, cand: str, log) -> dict:
+    log(f"  harness arm with lockstep on fused_embed_rmsnorm ({cand}), every "
+        f"{recipe.ab.lockstep_every} step(s): {steps} steps ...")
+    # The check rides in the candidate's arm: its cost is that arm with it against the same arm without.
+    slot = {"fused_embed_rmsnorm": cand}
+    plain_c = harness_arm(recipe, corpus, steps, work, "candidate", kernels=slot)
+    c = harness_arm(recipe, corpus, steps, work, "lockstep", lockstep="fused_embed_rmsnorm", kernels=slot)
+    extra = c["ms_per_step"] - plain_c["ms_per_step"]
+    return {**c, "candidate_spec": cand, "every": recipe.ab.lockstep_every,
+            "candidate_ms_per_step": plain_c["ms_per_step"],
+            "extra_ms_per_step": extra, "overhead": extra / plain_c["ms_per_step"]}
+
+
+def _bench_soak(recipe, log) -> dict:
+    soak_dir = Path("results") / f"bench-soak-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    log(f"  soak: divergence ab --kernel fused_embed_rmsnorm --recipe {recipe.name} (results in {soak_dir}) ...")
+    return soak(recipe, soak_dir)
+
+
+def _write_result(res: dict, out, log) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    from divergence.train.metrics import dumps  # strict JSON: a non-finite rate is written as "nan"/"inf"
+
+    Path(out).write_text(dumps(res, indent=1) + "\n")
+    log(f"written: {out}")
 
 
 def _fmt_rate(v):

@@ -78,21 +78,7 @@ def caught(v: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default="tiny")
-    ap.add_argument("--seeds", default="0,1", help="e.g. 0-3 or 0,1,5")
-    ap.add_argument("--steps", type=int, help="override train.steps")
-    ap.add_argument("--optimizers", help="comma-separated (default: the recipe's)")
-    ap.add_argument("--nulls", type=int, help="override ab.nulls")
-    ap.add_argument("--extra-nulls", type=int, default=1, help="null-K candidates per slot past the recipe's nulls")
-    ap.add_argument("--softcap", type=float,
-                    help="model.attn_softcap override (default 0.5 on tiny, else the recipe's)")
-    ap.add_argument("--only", choices=("good", "bad"), help="run only the known-good or the known-bad cells")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--resume", metavar="OUT", help="continue a calibration cut short (e.g. by a time limit): the "
-                                                    "soak in OUT/soak is resumed, finished arms kept, then judged")
-    ap.add_argument("--wandb", action="store_true", help="log the soak to wandb (off by default)")
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
 
     import torch
 
@@ -107,6 +93,42 @@ def main(argv=None) -> int:
         bad = []
     elif args.only == "bad":
         good = []
+    t0 = time.time()
+    out, soak, bad = _run_soak(args, recipe, good, bad, cli)
+    wall = time.time() - t0
+
+    cells = _cells(out)
+    bad_names = {c["candidate"] for c in bad}
+    goods = [c for c in cells if c[1] not in bad_names]
+    bads = [c for c in cells if c[1] in bad_names]
+    summary, fp, missed = _report(cells, goods, bads)
+    print(f"\nwall {wall:.0f} s for {len(cells)} A/Bs ({out})")
+    from divergence.train.metrics import dumps
+
+    (out / "calibrate.json").write_text(dumps({**summary, "wall_s": round(wall, 1), "soak": soak}, indent=1) + "\n")
+    return 0 if not fp and not missed and not summary["errors"] else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="tiny")
+    ap.add_argument("--seeds", default="0,1", help="e.g. 0-3 or 0,1,5")
+    ap.add_argument("--steps", type=int, help="override train.steps")
+    ap.add_argument("--optimizers", help="comma-separated (default: the recipe's)")
+    ap.add_argument("--nulls", type=int, help="override ab.nulls")
+    ap.add_argument("--extra-nulls", type=int, default=1, help="null-K candidates per slot past the recipe's nulls")
+    ap.add_argument("--softcap", type=float,
+                    help="model.attn_softcap override (default 0.5 on tiny, else the recipe's)")
+    ap.add_argument("--only", choices=("good", "bad"), help="run only the known-good or the known-bad cells")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--resume", metavar="OUT", help="continue a calibration cut short (e.g. by a time limit): the "
+                                                    "soak in OUT/soak is resumed, finished arms kept, then judged")
+    ap.add_argument("--wandb", action="store_true", help="log the soak to wandb (off by default)")
+    return ap
+
+
+def _overrides(args, recipe) -> dict:
+    """The recipe overrides the soak runs with: --steps, --nulls and the attention softcap."""
     overrides: dict = {}
     if args.steps:
         overrides.setdefault("train", {})["steps"] = args.steps
@@ -115,8 +137,13 @@ def main(argv=None) -> int:
     cap = args.softcap if args.softcap is not None else (0.5 if recipe.name == "tiny" else None)
     if cap is not None:
         overrides.setdefault("model", {})["attn_softcap"] = cap
+    return overrides
+
+
+def _run_soak(args, recipe, good: list, bad: list, cli) -> tuple:
+    """Run (or with --resume, continue) the soak; returns its folder, its plan and the known-bad cells."""
+    overrides = _overrides(args, recipe)
     wandb_flag = [] if args.wandb else ["--no-wandb"]
-    t0 = time.time()
     if args.resume:
         out = Path(args.resume)
         soak = json.loads((out / "calibrate-soak.yaml").read_text())
@@ -133,16 +160,22 @@ def main(argv=None) -> int:
         (out / "calibrate-soak.yaml").write_text(json.dumps(soak, indent=1) + "\n")  # JSON is YAML
         (out / "bad.json").write_text(json.dumps([c["candidate"] for c in bad]) + "\n")
         cli(["soak", str(out / "calibrate-soak.yaml"), "--out", str(out / "soak")] + wandb_flag)
-    wall = time.time() - t0
+    return out, soak, bad
 
+
+def _cells(out: Path) -> list:
+    """(kernel, candidate, seed, verdict) of every A/B the soak finished."""
     cells = []
     for f in sorted((out / "soak").rglob("verdict.json")):
         v = json.loads(f.read_text())
         plan = json.loads((f.parent / "plan.json").read_text())
         cells.append((plan.get("kernel"), plan.get("candidate"), plan.get("overrides", {}).get("seed"), v))
-    bad_names = {c["candidate"] for c in bad}
-    goods = [c for c in cells if c[1] not in bad_names]
-    bads = [c for c in cells if c[1] in bad_names]
+    return cells
+
+
+def _report(cells: list, goods: list, bads: list) -> tuple:
+    """Print every cell, the false positives with their interval and each known-bad cell's catch; returns the
+    summary for calibrate.json, the false positives and how many known-bad cells were missed."""
     print(f"\n{'kernel':<22} {'candidate':<28} {'seed':>4}  verdict       case / summary")
     for k, c, s, v in cells:
         print(f"{k:<22} {c:<28} {str(s):>4}  {v['verdict']:<13} {v.get('case')}: {v.get('summary', '')[:90]}")
@@ -162,15 +195,10 @@ def main(argv=None) -> int:
         missed += not ok
         print(f"known-bad {c} seed {s}: {v['verdict']} ({v.get('case')}); caught by the A/B at step {st['ab']}, "
               f"by the lockstep check at step {st['lockstep']}")
-    print(f"\nwall {wall:.0f} s for {len(cells)} A/Bs ({out})")
-    from divergence.train.metrics import dumps
-
-    (out / "calibrate.json").write_text(dumps({
-        "known_good": n, "false_positives": len(fp), "interval_95": [lo, hi], "inconclusive": len(unsure),
-        "errors": len(errors), "known_bad": [{"candidate": c, "seed": s, "verdict": v["verdict"], **caught(v)}
-                                             for k, c, s, v in bads],
-        "wall_s": round(wall, 1), "soak": soak}, indent=1) + "\n")
-    return 0 if not fp and not missed and not errors else 1
+    summary = {"known_good": n, "false_positives": len(fp), "interval_95": [lo, hi], "inconclusive": len(unsure),
+               "errors": len(errors), "known_bad": [{"candidate": c, "seed": s, "verdict": v["verdict"], **caught(v)}
+                                                    for k, c, s, v in bads]}
+    return summary, fp, missed
 
 
 def _has_triton() -> bool:

@@ -36,7 +36,8 @@ from pathlib import Path
 from ..errors import RecipeError, UserError
 from ..overrides import sets_to_overrides
 from ..recipe import _merge, read_yaml_mapping
-from ..train.metrics import write_atomic, write_json
+from ..files import write_atomic
+from ..train.metrics import write_json
 
 KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm"}
 BACKENDS = ("local", "ray")

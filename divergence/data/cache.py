@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import DataError
+from ..files import write_atomic
 from ..paths import cache_root
 from ..recipe import DataConfig
 
@@ -33,15 +33,10 @@ def cache_key(parts: dict) -> str:
 
 
 def _atomic_write(path: Path, write) -> None:
+    """files.write_atomic, with the folder made and a failure named as the data cache's."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, write)
     except OSError as e:
         msg = f"cannot write the data cache {path} ({e.strerror}); set data.cache_dir to a writable folder"
         raise DataError(msg) from None

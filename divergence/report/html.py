@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from ..train.metrics import write_atomic
+from ..files import write_atomic
 from ..zoo import ZOO, ZOO_DIR
 from . import words
 from .plots import make_plots

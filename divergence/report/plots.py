@@ -316,8 +316,6 @@ def has_lockstep(res) -> bool:
 
 def lockstep_errors(res, path):
     """The op-level check on the candidate arm's live inputs: error against fp64 by step and by frequency bucket."""
-    from ..detect.rule import RATIO
-
     opts = res.optimizers
     fig, axes = _grid(2, len(opts))
     for j, opt in enumerate(opts):
@@ -327,57 +325,68 @@ def lockstep_errors(res, path):
             _empty(top, f"{opt}: no lockstep check")
             _empty(bot, "")
             continue
-        s, ec = ref.series("lockstep/err_candidate")
-        _, er = ref.series("lockstep/err_reference")
-        over = bool((~(ec <= CAP)).any())
-        ec = np.minimum(np.nan_to_num(ec, nan=CAP, posinf=CAP), CAP)
-        _, fl = ref.series("lockstep/floor")
-        _, wrong = ref.series("lockstep/wrong")
-        limit = RATIO * er + fl
-        lo = _log_floor(ec, er, limit)
-        top.plot(s, _clip(er, lo), color=REF, lw=1.2, label="reference op vs fp64")
-        top.plot(s, _clip(limit, lo), color=LIMIT, ls="--", lw=1.2, label=f"limit: {RATIO:g}x reference + rounding")
-        top.plot(s, _clip(ec, lo), color=CAND, lw=1.4, label="candidate op vs fp64")
-        if len(wrong) == len(s) and wrong.any():
-            trans = mtransforms.blended_transform_factory(top.transData, top.transAxes)
-            top.scatter(s[wrong > 0], np.full(int((wrong > 0).sum()), 0.03), marker="|", s=60, color=CAND,
-                        transform=trans, label="step over the limit")
-        if over:
-            top.text(0.99, 0.6, f"errors above {CAP:g} (or NaN) drawn at {CAP:g}", transform=top.transAxes,
-                     ha="right", va="top", fontsize=7, color=CAND)
-        top.set_yscale("log")
-        ls = res.opt_verdict(opt).get("lockstep") or ref.info.get("lockstep") or {}
-        bad = ls.get("wrong")
-        top.set_title(f"{opt}: op error by step" + (f"  (wrong from step {ls.get('first_wrong_step')})" if bad
-                                                     else "  (within limit)"), color=CAND if bad else REF)
-        top.set_xlabel("training step (candidate arm's inputs)")
-        top.set_ylabel("relative L2 error vs fp64", fontsize=8)
-
-        table = lockstep_table(ref)
-        names = [t["bucket"] for t in table]
-        med_c, med_r = [t["median_candidate"] for t in table], [t["median_reference"] for t in table]
-        max_c, max_r, lim = [t["worst_candidate"] for t in table], [t["worst_reference"] for t in table], \
-            [t["limit"] for t in table]
-        x = np.arange(len(names))
-        lo = _log_floor(np.asarray(med_c), np.asarray(med_r), np.asarray(max_c), np.asarray(max_r))
-        hi = min(CAP, _clip(np.asarray(med_c + med_r + max_c + max_r), lo).max())  # Inf, NaN and huge go here
-        for dx, med, mx, col, lab in ((-0.2, med_c, max_c, CAND, "candidate"), (0.2, med_r, max_r, REF, "reference")):
-            med, mx = np.asarray(med), np.asarray(mx)
-            bot.bar(x + dx, np.clip(np.nan_to_num(med, nan=hi, posinf=hi), lo, hi), 0.38, color=col, alpha=0.75,
-                    label=f"{lab}: median")
-            bot.scatter(x + dx, np.clip(np.nan_to_num(mx, nan=hi, posinf=hi), lo, hi), marker="_", s=120, color=col,
-                        label=f"{lab}: worst step")
-            for xi, m in zip(x + dx, med):
-                if m == 0 or not m <= hi:
-                    bot.text(xi, lo * 1.3 if m == 0 else hi, "0" if m == 0 else f"{m:.0e}", ha="center",
-                             fontsize=7, color=col, va="bottom")
-        bot.hlines(np.maximum(lim, lo), x - 0.42, x + 0.42, color=LIMIT, ls="--", lw=1.2)
-        bot.set_yscale("log")
-        bot.set_ylim(bottom=lo)
-        bot.set_xticks(x, names)
-        bot.set_title(f"{opt}: op error by token-frequency bucket")
-        bot.set_ylabel("relative L2 error vs fp64", fontsize=8)
+        _lockstep_by_step(top, res, opt, ref)
+        _lockstep_by_bucket(bot, opt, ref)
     _save(fig, path, axes.flat)
+
+
+def _lockstep_by_step(ax, res, opt, ref):
+    """The candidate's and the reference op's error against fp64 at each checked step, with the limit."""
+    from ..detect.rule import RATIO
+
+    s, ec = ref.series("lockstep/err_candidate")
+    _, er = ref.series("lockstep/err_reference")
+    over = bool((~(ec <= CAP)).any())
+    ec = np.minimum(np.nan_to_num(ec, nan=CAP, posinf=CAP), CAP)
+    _, fl = ref.series("lockstep/floor")
+    _, wrong = ref.series("lockstep/wrong")
+    limit = RATIO * er + fl
+    lo = _log_floor(ec, er, limit)
+    ax.plot(s, _clip(er, lo), color=REF, lw=1.2, label="reference op vs fp64")
+    ax.plot(s, _clip(limit, lo), color=LIMIT, ls="--", lw=1.2, label=f"limit: {RATIO:g}x reference + rounding")
+    ax.plot(s, _clip(ec, lo), color=CAND, lw=1.4, label="candidate op vs fp64")
+    if len(wrong) == len(s) and wrong.any():
+        trans = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+        ax.scatter(s[wrong > 0], np.full(int((wrong > 0).sum()), 0.03), marker="|", s=60, color=CAND,
+                   transform=trans, label="step over the limit")
+    if over:
+        ax.text(0.99, 0.6, f"errors above {CAP:g} (or NaN) drawn at {CAP:g}", transform=ax.transAxes,
+                ha="right", va="top", fontsize=7, color=CAND)
+    ax.set_yscale("log")
+    ls = res.opt_verdict(opt).get("lockstep") or ref.info.get("lockstep") or {}
+    bad = ls.get("wrong")
+    ax.set_title(f"{opt}: op error by step" + (f"  (wrong from step {ls.get('first_wrong_step')})" if bad
+                                                else "  (within limit)"), color=CAND if bad else REF)
+    ax.set_xlabel("training step (candidate arm's inputs)")
+    ax.set_ylabel("relative L2 error vs fp64", fontsize=8)
+
+
+def _lockstep_by_bucket(ax, opt, ref):
+    """Median and worst-step error per token-frequency bucket, candidate beside reference, with the limit."""
+    table = lockstep_table(ref)
+    names = [t["bucket"] for t in table]
+    med_c, med_r = [t["median_candidate"] for t in table], [t["median_reference"] for t in table]
+    max_c, max_r, lim = [t["worst_candidate"] for t in table], [t["worst_reference"] for t in table], \
+        [t["limit"] for t in table]
+    x = np.arange(len(names))
+    lo = _log_floor(np.asarray(med_c), np.asarray(med_r), np.asarray(max_c), np.asarray(max_r))
+    hi = min(CAP, _clip(np.asarray(med_c + med_r + max_c + max_r), lo).max())  # Inf, NaN and huge go here
+    for dx, med, mx, col, lab in ((-0.2, med_c, max_c, CAND, "candidate"), (0.2, med_r, max_r, REF, "reference")):
+        med, mx = np.asarray(med), np.asarray(mx)
+        ax.bar(x + dx, np.clip(np.nan_to_num(med, nan=hi, posinf=hi), lo, hi), 0.38, color=col, alpha=0.75,
+               label=f"{lab}: median")
+        ax.scatter(x + dx, np.clip(np.nan_to_num(mx, nan=hi, posinf=hi), lo, hi), marker="_", s=120, color=col,
+                   label=f"{lab}: worst step")
+        for xi, m in zip(x + dx, med):
+            if m == 0 or not m <= hi:
+                ax.text(xi, lo * 1.3 if m == 0 else hi, "0" if m == 0 else f"{m:.0e}", ha="center",
+                        fontsize=7, color=col, va="bottom")
+    ax.hlines(np.maximum(lim, lo), x - 0.42, x + 0.42, color=LIMIT, ls="--", lw=1.2)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=lo)
+    ax.set_xticks(x, names)
+    ax.set_title(f"{opt}: op error by token-frequency bucket")
+    ax.set_ylabel("relative L2 error vs fp64", fontsize=8)
 
 
 # name -> (function, title, caption). The page shows them in this order.

@@ -73,10 +73,8 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     `watcher(recipe, slot, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
     detectors' Lockstep, passed down by the orchestration layer: training never imports the detectors); its
     `summary()` goes into arm.json."""
-    import lightning.pytorch as pl
-
-    from ..data import Batches, load_corpus
-    from .module import ArmModule
+    from .module import ArmModule  # imports lightning.pytorch first: it sets its loggers' levels on import
+    from ..data import load_corpus
 
     t_enter = time.perf_counter()
     out = Path(out_dir)
@@ -86,6 +84,34 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     corpus = corpus or load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
     kernels = build_kernels(spec.kernels, {"vocab_size": vocab})
+    batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
+    info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
+            "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
+            "vocab_size": vocab, "env": environment(device), "status": "RUNNING"}
+    write_json(out / "arm.json", info)
+    rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25)
+    rec.watch_nonfinite(kernels)
+    lockstep = _lockstep(recipe, spec, watcher, kernels, corpus, rec)
+    module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec)
+    trainer = _trainer(recipe, device, progress)
+    t0 = time.time()
+    rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
+    if boot_s is not None:
+        rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
+    rec.t["fit_called"] = time.perf_counter()
+    _fit(trainer, module, rec, recipe, batches, device, info)
+    info["wall_s"] = time.time() - t0
+    _add_rates(info, recipe, module, rec, device)
+    if lockstep is not None:
+        info["lockstep"] = lockstep.summary()
+    write_json(out / "arm.json", info)
+    return info
+
+
+def _arm_batches(recipe, corpus, vocab: int) -> tuple:
+    """The training batches, the fixed validation batches and the sequences whose log-probabilities are kept."""
+    from ..data import Batches
+
     batches = Batches(corpus.train, recipe.train.batch_size, recipe.model.seq_len, recipe.seed)
     val = Batches(corpus.val, recipe.train.batch_size, recipe.model.seq_len, recipe.seed)
     val_batches = [val.fixed(i) for i in range(recipe.train.val_batches)]
@@ -93,29 +119,31 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     # where 4 would pass 2^22 values per file (h200 recipe: 1 sequence, 16 MiB; 4 were 64 MiB x 11 evaluations
     # x 12 arms = 8.8 GB written and read back per A/B).
     eval_x = val.fixed(0)[0][:max(1, min(4, EVAL_VALUES // (recipe.model.seq_len * vocab)))]
-    info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
-            "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
-            "vocab_size": vocab, "env": environment(device), "status": "RUNNING"}
-    write_json(out / "arm.json", info)
-    rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25)
-    rec.watch_nonfinite(kernels)
-    lockstep = None
-    if spec.lockstep:
-        if watcher is None:
-            raise RecipeError(f"arm {spec.name}: a lockstep check was asked for and no watcher was given")
-        lockstep = watcher(recipe, spec.lockstep, kernels, corpus, rec)
-    module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec)
-    trainer = pl.Trainer(
+    return batches, val_batches, eval_x
+
+
+def _lockstep(recipe, spec: ArmSpec, watcher, kernels, corpus, rec):
+    """The lockstep check the spec asks for (None where it asks for none)."""
+    if not spec.lockstep:
+        return None
+    if watcher is None:
+        raise RecipeError(f"arm {spec.name}: a lockstep check was asked for and no watcher was given")
+    return watcher(recipe, spec.lockstep, kernels, corpus, rec)
+
+
+def _trainer(recipe, device: str, progress: Optional[bool]):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=resolve_precision(recipe, device),
         max_steps=recipe.train.steps, logger=False, enable_checkpointing=False, enable_model_summary=False,
         num_sanity_val_steps=0, enable_progress_bar=recipe.train.progress if progress is None else progress,
         use_distributed_sampler=False,
     )
-    t0 = time.time()
-    rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
-    if boot_s is not None:
-        rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
-    rec.t["fit_called"] = time.perf_counter()
+
+
+def _fit(trainer, module, rec, recipe, batches, device: str, info: dict) -> None:
+    """Train; `info["status"]` says how it ended: OK, the recorder's stop (NAN, ...) or CRASH."""
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
         if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
@@ -128,17 +156,16 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
         rec.close()
         info.update(status="CRASH", error=f"{type(e).__name__}: {e}".splitlines()[0][:500],
                     traceback=traceback.format_exc()[-4000:])
-    info["wall_s"] = time.time() - t0
+
+
+def _add_rates(info: dict, recipe, module, rec, device: str) -> None:
+    """Throughput, timings and (on CUDA) peak memory, after `info["wall_s"]` is set."""
     info["tokens_per_s"] = recipe.tokens_per_step * max(0, module.step_no) / max(1e-9, info["wall_s"])
     info["timings"] = rec.timings()
     if device == "cuda":  # what one arm needs, to size `ab.workers` (arms per GPU) by
         info["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if "steady_ms_per_step" in info["timings"]:
         info["tokens_per_s_steady"] = recipe.tokens_per_step / (1e-3 * info["timings"]["steady_ms_per_step"])
-    if lockstep is not None:
-        info["lockstep"] = lockstep.summary()
-    write_json(out / "arm.json", info)
-    return info
 
 
 class _StepBatches(torch.utils.data.IterableDataset):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
+
+from ..files import write_atomic
 
 
 def _clean(v):
@@ -72,14 +73,6 @@ def read_metrics(path) -> list:
             except json.JSONDecodeError:
                 break  # a line cut by a kill: everything before it is intact
     return rows
-
-
-def write_atomic(path, text: str):
-    """Write then rename, so a killed run never leaves a half-written file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_json(path, obj):
