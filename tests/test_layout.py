@@ -12,7 +12,7 @@ PKG = Path(divergence.__file__).parent
 # Bottom to top. A module may import its own layer and the ones before it.
 LAYERS = [
     {"divergence", "divergence.errors", "divergence.names", "divergence.paths", "divergence.recipe",
-     "divergence.shapes", "divergence.hf_config",
+     "divergence.shapes", "divergence.hf_config", "divergence.device",
      "divergence.overrides", "divergence.recipes"},
     {"divergence.data"},
     {"divergence.slots"},
