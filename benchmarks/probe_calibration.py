@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from divergence.detect.probe import inputs as probe_inputs  # noqa: E402
 from divergence.detect.probe import run_probe  # noqa: E402
-from divergence.detect.probe.run import resolve_device  # noqa: E402
+from divergence.detect.probe.run import device_from_flag  # noqa: E402
 from divergence.slots import SLOTS  # noqa: E402
 from divergence.zoo import ZOO  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nulls", action="store_true", help="also the reference and both nulls of every slot")
     ap.add_argument("--out", help="folder for the probes' probe.json and calibration.json")
     a = ap.parse_args(argv)
-    device = resolve_device(a.device)
+    device = device_from_flag(a.device)
     out = Path(a.out or tempfile.mkdtemp(prefix="probe-calibration-"))
     jobs = [(n, e.slot, f"zoo:{n}", "bad") for n, e in ZOO.items() if e.probe_family]
     jobs += [(n, e.slot, f"zoo:{n}", "good") for n, e in ZOO.items()

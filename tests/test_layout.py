@@ -11,8 +11,8 @@ import divergence
 PKG = Path(divergence.__file__).parent
 # Bottom to top. A module may import its own layer and the ones before it.
 LAYERS = [
-    {"divergence", "divergence.errors", "divergence.files", "divergence.names", "divergence.paths", "divergence.recipe",
-     "divergence.shapes", "divergence.hf_config",
+    {"divergence", "divergence.errors", "divergence.files", "divergence.device", "divergence.names",
+     "divergence.paths", "divergence.recipe", "divergence.shapes", "divergence.hf_config",
      "divergence.overrides", "divergence.recipes"},
     {"divergence.data"},
     {"divergence.slots"},

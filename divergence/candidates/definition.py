@@ -105,6 +105,19 @@ def load_definition(path) -> Definition:
     """definition.json -> Definition; a one-line DefinitionError naming the file and the field otherwise."""
     path = Path(path)
     where = str(path)
+    raw = _read_object(path, where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        _fail(where, "`name` is missing or not a string")
+    axes = _checked_axes(where, raw.get("axes"))
+    tensors = {part: _checked_tensors(where, part, raw.get(part), axes) for part in ("inputs", "outputs")}
+    ref, entry = _checked_reference(where, raw)
+    return Definition(name=name, path=where, axes=axes, inputs=tensors["inputs"], outputs=tensors["outputs"],
+                      reference=ref, custom_inputs_entrypoint=entry, op_type=raw.get("op_type"),
+                      description=raw.get("description") or "")
+
+
+def _read_object(path: Path, where: str) -> dict:
     if not path.is_file():
         _fail(where, "definition file not found")
     try:
@@ -113,10 +126,11 @@ def load_definition(path) -> Definition:
         _fail(where, f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
     if not isinstance(raw, dict):
         _fail(where, "a definition must be a JSON object")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        _fail(where, "`name` is missing or not a string")
-    axes = raw.get("axes")
+    return raw
+
+
+def _checked_axes(where: str, axes) -> dict:
+    """`axes`, each const axis a positive integer and each expression integer arithmetic over known axes."""
     if not isinstance(axes, dict):
         _fail(where, "`axes` must be an object of axis name -> {type: const|var|expr, ...}")
     for k, a in axes.items():
@@ -137,31 +151,42 @@ def load_definition(path) -> Definition:
                 _fail(where, f"{at}.expression: {expr!r} is not integer arithmetic over axis names")
             if unknown:
                 _fail(where, f"{at}.expression: {expr!r} names unknown axis {sorted(unknown)[0]!r}")
-    tensors = {}
-    for part in ("inputs", "outputs"):
-        spec = raw.get(part)
-        if not isinstance(spec, dict) or not spec:
-            _fail(where, f"`{part}` must be a non-empty object of name -> {{shape, dtype}}")
-        tensors[part] = {}
-        for n, t in spec.items():
-            at = f"{part}.{n}"
-            if not isinstance(t, dict):
-                _fail(where, f"{at}: expected {{\"shape\": [...] | null, \"dtype\": ...}}")
-            dtype = DTYPES.get(str(t.get("dtype")).lower())
-            if dtype is None:
-                _fail(where, f"{at}.dtype: unknown dtype {t.get('dtype')!r}; known: {', '.join(sorted(set(DTYPES)))}")
-            shape = t.get("shape")
-            if shape is not None:
-                if not isinstance(shape, list):
-                    _fail(where, f"{at}.shape: expected a list of axis names or null, got {shape!r}")
-                for d in shape:
-                    if isinstance(d, str):
-                        if d not in axes:
-                            _fail(where, f"{at}.shape: axis {d!r} is not among `axes` ({', '.join(axes)})")
-                    elif isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-                        _fail(where, f"{at}.shape: {d!r} is neither an axis name nor a positive size")
-                shape = tuple(shape)
-            tensors[part][n] = Tensor(shape, dtype)
+    return axes
+
+
+def _checked_tensors(where: str, part: str, spec, axes: dict) -> dict:
+    """`inputs` or `outputs` (`part`) -> {name: Tensor}, in the file's order."""
+    if not isinstance(spec, dict) or not spec:
+        _fail(where, f"`{part}` must be a non-empty object of name -> {{shape, dtype}}")
+    out = {}
+    for n, t in spec.items():
+        at = f"{part}.{n}"
+        if not isinstance(t, dict):
+            _fail(where, f"{at}: expected {{\"shape\": [...] | null, \"dtype\": ...}}")
+        dtype = DTYPES.get(str(t.get("dtype")).lower())
+        if dtype is None:
+            _fail(where, f"{at}.dtype: unknown dtype {t.get('dtype')!r}; known: {', '.join(sorted(set(DTYPES)))}")
+        out[n] = Tensor(_checked_shape(where, at, t.get("shape"), axes), dtype)
+    return out
+
+
+def _checked_shape(where: str, at: str, shape, axes: dict) -> Optional[tuple]:
+    """A tensor's `shape`: None (a scalar), or a tuple of axis names and positive sizes."""
+    if shape is None:
+        return None
+    if not isinstance(shape, list):
+        _fail(where, f"{at}.shape: expected a list of axis names or null, got {shape!r}")
+    for d in shape:
+        if isinstance(d, str):
+            if d not in axes:
+                _fail(where, f"{at}.shape: axis {d!r} is not among `axes` ({', '.join(axes)})")
+        elif isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+            _fail(where, f"{at}.shape: {d!r} is neither an axis name nor a positive size")
+    return tuple(shape)
+
+
+def _checked_reference(where: str, raw: dict) -> tuple:
+    """(the reference's Python source, defining `run`; its custom_inputs_entrypoint or None)."""
     ref = raw.get("reference")
     if not isinstance(ref, str) or "def run" not in ref:
         _fail(where, "`reference` must be Python source defining `run`")
@@ -172,9 +197,7 @@ def load_definition(path) -> Definition:
     entry = raw.get("custom_inputs_entrypoint")
     if entry is not None and (not isinstance(entry, str) or f"def {entry}" not in ref):
         _fail(where, f"custom_inputs_entrypoint {entry!r} is not a function defined in `reference`")
-    return Definition(name=name, path=where, axes=axes, inputs=tensors["inputs"], outputs=tensors["outputs"],
-                      reference=ref, custom_inputs_entrypoint=entry, op_type=raw.get("op_type"),
-                      description=raw.get("description") or "")
+    return ref, entry
 
 
 # ------------------------------------------------------------------------------------------------------ finding

@@ -317,31 +317,44 @@ def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enab
     - equivalent (PASS, exit 0): every signal that ran passed.
     """
     for v in per_opt.values():
-        ls = v.get("lockstep") or {}
-        if ls.get("mutated_input"):
-            ls["wrong"] = True
-            said = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
-            if v["verdict"] in ("PASS", "INCONCLUSIVE"):
-                v["verdict"] = "WRONG"
-                v["detail"] = said
-            else:  # the A/B saw what the mutation does; the detail names the cause first
-                v["detail"] = f"{said}; {v['detail']}" if v.get("detail") else said
-        if ls.get("global_state"):
-            ls["wrong"] = True
-            if v["verdict"] in ("PASS", "INCONCLUSIVE"):
-                v["verdict"] = "WRONG"
-                v["detail"] = f"{ls['global_state']}, seen on live inputs (put back after each call)"
-        if v["verdict"] in ("PASS", "INCONCLUSIVE") and ls.get("wrong"):
-            v["verdict"] = "WRONG"
-            v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (worst step: error "
-                           f"{_num(ls.get('worst_err_candidate'))} vs the reference's "
-                           f"{_num(ls.get('worst_err_reference'))}); training stayed inside the null envelope")
-        elif v["verdict"] == "PASS" and lockstep_enabled and (ls.get("failed") or ls.get("error") or not ls):
-            v["verdict"] = "INCONCLUSIVE"
-            v["detail"] = "the lockstep check did not run to its end: " + str(
-                ls.get("failed") or ls.get("error") or "no record")
+        _fold_lockstep(v, lockstep_enabled)
     signals = {"ab": ab_signal(per_opt), "lockstep": lockstep_signal(per_opt, lockstep_enabled),
                "probe": probe_signal(probe, probe_enabled, probe_error)}
+    verdict, case, summary = _case(per_opt, signals)
+    return {"verdict": verdict, "case": case, "summary": summary, "signals": signals}
+
+
+def _fold_lockstep(v: dict, lockstep_enabled: bool):
+    """One optimizer's verdict `v`, in place, with what its lockstep record says: a mutated input, changed global
+    state or live-input errors over the rule make a PASS or INCONCLUSIVE WRONG; a lockstep check that did not
+    run to its end makes a PASS INCONCLUSIVE."""
+    ls = v.get("lockstep") or {}
+    if ls.get("mutated_input"):
+        ls["wrong"] = True
+        said = f"the candidate modifies its input {ls['mutated_input']!r} (seen on live inputs)"
+        if v["verdict"] in ("PASS", "INCONCLUSIVE"):
+            v["verdict"] = "WRONG"
+            v["detail"] = said
+        else:  # the A/B saw what the mutation does; the detail names the cause first
+            v["detail"] = f"{said}; {v['detail']}" if v.get("detail") else said
+    if ls.get("global_state"):
+        ls["wrong"] = True
+        if v["verdict"] in ("PASS", "INCONCLUSIVE"):
+            v["verdict"] = "WRONG"
+            v["detail"] = f"{ls['global_state']}, seen on live inputs (put back after each call)"
+    if v["verdict"] in ("PASS", "INCONCLUSIVE") and ls.get("wrong"):
+        v["verdict"] = "WRONG"
+        v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (worst step: error "
+                       f"{_num(ls.get('worst_err_candidate'))} vs the reference's "
+                       f"{_num(ls.get('worst_err_reference'))}); training stayed inside the null envelope")
+    elif v["verdict"] == "PASS" and lockstep_enabled and (ls.get("failed") or ls.get("error") or not ls):
+        v["verdict"] = "INCONCLUSIVE"
+        v["detail"] = "the lockstep check did not run to its end: " + str(
+            ls.get("failed") or ls.get("error") or "no record")
+
+
+def _case(per_opt: dict, signals: dict) -> tuple:
+    """(verdict, case, summary) from the optimizers' verdicts and the three signals (combine's docstring)."""
     words = {k: s["verdict"] for k, s in signals.items()}
     harmed = [o for o, v in per_opt.items() if v.get("harmed")]
     moved = [o for o, v in per_opt.items() if v.get("moved") and not v.get("harmed")]
@@ -382,7 +395,7 @@ def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enab
         skipped = [k for k, w in words.items() if w == "SKIPPED"]
         if skipped:
             summary += f" ({', '.join(skipped)} not run)"
-    return {"verdict": verdict, "case": case, "summary": summary, "signals": signals}
+    return verdict, case, summary
 
 
 def _num(x) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import RecipeError
 from ..candidates.resolve import build_kernels
+from ..device import pick_device
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
 
@@ -34,12 +35,9 @@ class ArmSpec:
 
 
 def resolve_device(recipe) -> str:
-    d = recipe.train.device
-    if d == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if d == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(f"{recipe.path}: train.device: cuda asked for, but no CUDA GPU is visible")
-    return d
+    """The recipe's `train.device` (auto | cpu | cuda, checked by recipe.py) -> cpu or cuda."""
+    return pick_device(recipe.train.device,
+                       RecipeError(f"{recipe.path}: train.device: cuda asked for, but no CUDA GPU is visible"))
 
 
 def resolve_precision(recipe, device: str) -> str:

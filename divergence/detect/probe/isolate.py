@@ -166,6 +166,34 @@ def _last_line(log: Path) -> str:
 
 def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
     """The worker: load the candidate, then run families as asked until told to stop."""
+    _become_worker(log_path, device)
+    from ...slots import SLOTS
+    from . import call, checks  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
+
+    loaded = _load(conn, slot, spec, device, fams, names, rebuild)
+    if loaded is None:
+        return
+    impl, fams = loaded
+    contract = SLOTS[slot]
+    destination = impl.meta.get("convention") == "destination"
+    watch = _Watch(impl.fn, contract, device)
+    impl = dataclasses.replace(impl, fn=watch)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            msg = ("stop",)
+        if msg[0] != "family":
+            # No interpreter teardown: threads the candidate left running would hold it up, and there is nothing
+            # to save.
+            sys.stdout.flush()
+            os._exit(0)
+        if _run_family(conn, slot, contract, impl, watch, fams[msg[1]], seed, device, destination):
+            os._exit(0)  # a CUDA context the candidate broke cannot be trusted: the next family gets a fresh worker
+
+
+def _become_worker(log_path, device):
+    """The worker's own process group, stdout and stderr (and a segfault's stack) into the log, Ctrl-C ignored."""
     os.setsid()  # own process group: the watchdog's kill reaches whatever the candidate started
     die_with_parent()
     import signal
@@ -181,16 +209,17 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
     if device == "cpu":
         torch.set_num_threads(1)  # as the parent's sweep (run.py): these ops are small
 
+
+def _load(conn, slot, spec, device, fams, names, rebuild):
+    """(the candidate's implementation, the families) with "loaded" sent to the parent, or None with "load_error"
+    sent: the candidate did not load, or a family cannot be rebuilt in a spawned worker (`fams` None)."""
     from ...candidates.resolve import resolve
-    from ...slots import SLOTS
-    from . import checks
-    from .call import prepared as _prepared, probe_family as _probe_family
 
     try:
         impl = resolve(slot, spec)
     except CandidateError as e:
         conn.send(("load_error", str(e)))
-        return
+        return None
     if fams is None:
         import importlib
 
@@ -200,48 +229,41 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
         if missing:  # a family built from the caller's arguments: it cannot be rebuilt here
             conn.send(("load_error", f"{slot}: probe families {', '.join(missing)} cannot be rebuilt in a spawned "
                                      "worker (not picklable, not built in)"))
-            return
+            return None
         fams = [by_name[n] for n in names]
     conn.send(("loaded", {"name": impl.name, "role": impl.role, "origin": impl.origin, "sha256": impl.sha256,
                           "convention": impl.meta.get("convention", "returning")}))
-    contract = SLOTS[slot]
-    destination = impl.meta.get("convention") == "destination"
-    watch = _Watch(impl.fn, contract, device)
-    impl = dataclasses.replace(impl, fn=watch)
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            msg = ("stop",)
-        if msg[0] != "family":
-            # No interpreter teardown: threads the candidate left running would hold it up, and there is nothing
-            # to save.
-            sys.stdout.flush()
-            os._exit(0)
-        fam = fams[msg[1]]
-        case = _prepared(contract, fam, seed, device)[0]
-        if fam.deep:
-            _prepared(contract, fam, seed, device, again=True)
-        conn.send(("prepared", sum(x.numel() for x in case.inputs if isinstance(x, torch.Tensor))))
-        t = time.perf_counter()
-        fatal = False
-        state = globalstate.snapshot()
-        watch.first, watch.findings = True, []
-        try:
-            got = _probe_family(contract, impl, fam, seed, device, destination) + watch.findings
-        except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
-            got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
-                                                     f"{checks.one_line(e, slot)}")]
-            fatal = any(m in str(e) for m in _CUDA_FATAL)
-        # A CUDA error the candidate raised (and the probe recorded) leaves the context unusable all the same.
-        fatal = fatal or any(m in (f.get("detail") or "") for f in got for m in _CUDA_FATAL)
-        what = globalstate.changed(state, globalstate.snapshot())
-        if what:  # reported, and put back: the next family must not run under the candidate's settings
-            got.append(checks._finding("global_state", None, globalstate.describe(what)))
-            globalstate.restore(state)
-        conn.send(("done", got, time.perf_counter() - t, fatal))
-        if fatal:  # a CUDA context the candidate broke cannot be trusted: the next family gets a fresh worker
-            os._exit(0)
+    return impl, fams
+
+
+def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destination) -> bool:
+    """One family: "prepared" (its input elements) then "done" (findings, seconds, fatal) sent to the parent;
+    returns fatal (the worker must exit: a CUDA error left its context unusable)."""
+    from . import checks
+    from .call import prepared as _prepared, probe_family as _probe_family
+
+    case = _prepared(contract, fam, seed, device)[0]
+    if fam.deep:
+        _prepared(contract, fam, seed, device, again=True)
+    conn.send(("prepared", sum(x.numel() for x in case.inputs if isinstance(x, torch.Tensor))))
+    t = time.perf_counter()
+    fatal = False
+    state = globalstate.snapshot()
+    watch.first, watch.findings = True, []
+    try:
+        got = _probe_family(contract, impl, fam, seed, device, destination) + watch.findings
+    except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
+        got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
+                                                 f"{checks.one_line(e, slot)}")]
+        fatal = any(m in str(e) for m in _CUDA_FATAL)
+    # A CUDA error the candidate raised (and the probe recorded) leaves the context unusable all the same.
+    fatal = fatal or any(m in (f.get("detail") or "") for f in got for m in _CUDA_FATAL)
+    what = globalstate.changed(state, globalstate.snapshot())
+    if what:  # reported, and put back: the next family must not run under the candidate's settings
+        got.append(checks._finding("global_state", None, globalstate.describe(what)))
+        globalstate.restore(state)
+    conn.send(("done", got, time.perf_counter() - t, fatal))
+    return fatal
 
 
 # How long after its first call in a family the candidate's tensors are watched for late writes: 0.5 to 0.9 s

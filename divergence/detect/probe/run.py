@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ...device import pick_device
 from ...errors import UserError
 from ..rule import RATIO
 from . import checks
@@ -35,14 +36,11 @@ def fresh_seed() -> int:
     return secrets.randbelow(2**31)
 
 
-def resolve_device(device: Optional[str]) -> str:
-    if device in (None, ""):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
+def device_from_flag(device: Optional[str]) -> str:
+    """The probe's `--device` (cpu, cuda, or None/"" for cuda where available) -> cpu or cuda."""
+    if device not in (None, "", "cpu", "cuda"):
         raise UserError(f"--device: {device!r} is not cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device here")
-    return device
+    return pick_device(device, UserError("--device cuda: no CUDA device here"))
 
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
@@ -58,20 +56,13 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     probe's default, captured.DEFAULT_RECIPE) is the one whose training run the captured families come from.
     """
     from ...slots import SLOTS
-    from . import isolate
 
     if slot not in SLOTS:
         raise UserError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
     contract = SLOTS[slot]
-    device = resolve_device(device)
+    device = device_from_flag(device)
     seed = fresh_seed() if seed is None else int(seed)
-    fams, notes, others = shaped.families(slot, device, shapes, recipe)
-    if only:
-        unknown = sorted(set(only) - {f.name for f in fams})
-        if unknown:
-            raise UserError(f"unknown input famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} for "
-                            f"{slot}; known: {', '.join(f.name for f in fams)}")
-        fams = [f for f in fams if f.name in only]
+    fams, notes, others = _families(slot, device, shapes, recipe, only)
     budget = shaped.budget(device, shapes, BUDGET_S[device]) if budget_s is None else budget_s
     t0 = time.perf_counter()
 
@@ -80,19 +71,8 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
             echo(f"probe {slot} <- {impl['name']} ({impl['origin']}), seed {seed} (repeat with --seed {seed}), "
                  f"device {device}, {len(fams)} input families")
 
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        # One thread: these ops are small, and on a busy 2-core machine (A/B arms running beside it) two OpenMP
-        # threads made the embedding sweep 10-20x slower (20 s vs 1.2-2.8 s at load 6.5, measured).
-        torch.set_num_threads(1)
-    try:
-        # The candidate runs in a worker process under a watchdog (isolate.py); this process never imports it.
-        impl, findings, ran, notes = isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes,
-                                                   Path(out_dir) / "worker.log", limits, on_loaded=loaded,
-                                                   rebuild=("divergence.detect.probe.shapes", "families",
-                                                            (slot, device, shapes, recipe)))
-    finally:
-        torch.set_num_threads(threads)
+    impl, findings, ran, notes = _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits,
+                                        loaded, shapes, recipe)
     wall = time.perf_counter() - t0
     findings = _merge_exceptions(findings)
     verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
@@ -112,6 +92,41 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         "rule": RULE,
         "wall_s": round(wall, 3),
     }
+    return _write(result, out_dir)
+
+
+def _families(slot, device, shapes, recipe, only) -> tuple:
+    """(families, notes, others) as shapes.families builds them, restricted to `only` where given (names checked)."""
+    fams, notes, others = shaped.families(slot, device, shapes, recipe)
+    if only:
+        unknown = sorted(set(only) - {f.name for f in fams})
+        if unknown:
+            raise UserError(f"unknown input famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} for "
+                            f"{slot}; known: {', '.join(f.name for f in fams)}")
+        fams = [f for f in fams if f.name in only]
+    return fams, notes, others
+
+
+def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits, loaded, shapes, recipe) -> tuple:
+    """isolate.sweep with this process on one CPU thread meanwhile: (candidate meta, findings, families, notes)."""
+    from . import isolate
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        # One thread: these ops are small, and on a busy 2-core machine (A/B arms running beside it) two OpenMP
+        # threads made the embedding sweep 10-20x slower (20 s vs 1.2-2.8 s at load 6.5, measured).
+        torch.set_num_threads(1)
+    try:
+        # The candidate runs in a worker process under a watchdog (isolate.py); this process never imports it.
+        return isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes, Path(out_dir) / "worker.log",
+                             limits, on_loaded=loaded,
+                             rebuild=("divergence.detect.probe.shapes", "families", (slot, device, shapes, recipe)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _write(result: dict, out_dir) -> dict:
+    """`result` written to out_dir/probe.json (non-finite numbers as strings), with its path added."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "probe.json").write_text(json.dumps(_jsonable(result), indent=1, allow_nan=False) + "\n")
@@ -216,8 +231,8 @@ def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int]
     0 (pass), 1 (findings) or 2 (NEEDS-SHAPES: no numerical verdict). Bad input raises UserError (exit 2)."""
     echo = lambda s: print(s, flush=True)  # noqa: E731
     kernel, shapes, _, _ = shaped.declared_for(kernel, candidate, shape, definition, definitions,
-                                               device=resolve_device(device), echo=echo)
-    spec = candidate or default_candidate(kernel, resolve_device(device))
+                                               device=device_from_flag(device), echo=echo)
+    spec = candidate or default_candidate(kernel, device_from_flag(device))
     if out is None:
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
