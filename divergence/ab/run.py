@@ -65,46 +65,12 @@ def write_plan(folder: Path, slot: str, cand: str, recipe, opts, overrides: dict
 def cmd_ab(args, publish=None) -> int:
     """`divergence ab`. `publish(out, args, result)` (the report and wandb, from the layer above: cli passes
     report.publish.after_ab) runs once verdict.json is on disk, so it can never lose the verdict."""
-    from ..data import load_corpus
     from types import SimpleNamespace
 
     from ..detect.probe.isolate import load_meta
-    from ..slots import SLOTS
-    from ..train.arm import model_vocab, resolve_device
+    from ..train.arm import resolve_device
 
-    if args.resume:
-        if getattr(args, "set", None):
-            raise UserError("--set: a resumed run keeps the recipe it started with; start a new run instead")
-        out = Path(args.resume)
-        plan = _load_plan(out)
-        slot, cand, recipe_src = plan["kernel"], plan["candidate"], plan["recipe_path"]
-        opts = plan["optimizers"]
-        overrides = plan.get("overrides") or {}
-        defn = None
-    else:
-        if args.kernel and args.kernel not in SLOTS:
-            raise UserError(f"--kernel: unknown slot {args.kernel!r}; known: {', '.join(SLOTS)}")
-        if not args.kernel and not args.candidate:
-            raise UserError("--kernel: which slot? known: " + ", ".join(SLOTS))
-        cand = args.candidate
-        # Declared shapes (a definition's constant axes, --shape) before the recipe: with them and no --recipe, a
-        # GPU takes the recipe written for production shapes (h200-shapes: 2 layers, 200 steps).
-        slot, shapes, source, defn = declared_for(
-            args.kernel, cand, getattr(args, "shape", None), getattr(args, "definition", None),
-            getattr(args, "definitions", None), device="cuda" if _cuda() else "cpu",
-            echo=lambda s: print(s, flush=True))
-        recipe_src = args.recipe or default_recipe_name(shaped=bool(shapes))
-        overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
-        if args.seed is not None:
-            overrides["seed"] = args.seed
-        if shapes:
-            # As an override, so that plan.json (and --resume) rebuild the same model; the recipe's own
-            # `shapes:` fill the axes nothing else declares.
-            base = load_recipe(recipe_src, overrides).shapes
-            overrides["shapes"] = {**base, **shapes}
-            print(f"declared shapes {', '.join(f'{k}={v}' for k, v in overrides['shapes'].items())} "
-                  f"(from {source})", flush=True)
-        opts = None
+    out, slot, cand, recipe_src, opts, overrides, defn = _resumed(args) if args.resume else _asked(args)
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
     cand = cand or default_candidate(slot, device)
@@ -121,7 +87,53 @@ def cmd_ab(args, publish=None) -> int:
         write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=defn.path if defn else None)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
+    probe, probing = _start_probe(args, slot, cand, out, recipe, device)
+    corpus, vocab, arms, t0 = _train_arms(args, recipe, slot, cand, opts, out, device)
+    probe, probe_error = _probe_outcome(probe, probing)
+    return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, t0)
 
+
+def _resumed(args) -> tuple:
+    """(out, slot, candidate, recipe source, optimizers, overrides, definition) of the run in --resume's folder."""
+    if getattr(args, "set", None):
+        raise UserError("--set: a resumed run keeps the recipe it started with; start a new run instead")
+    out = Path(args.resume)
+    plan = _load_plan(out)
+    return (out, plan["kernel"], plan["candidate"], plan["recipe_path"], plan["optimizers"],
+            plan.get("overrides") or {}, None)
+
+
+def _asked(args) -> tuple:
+    """The same tuple for a new run, from the command line; no folder and no optimizers yet (None)."""
+    from ..slots import SLOTS
+
+    if args.kernel and args.kernel not in SLOTS:
+        raise UserError(f"--kernel: unknown slot {args.kernel!r}; known: {', '.join(SLOTS)}")
+    if not args.kernel and not args.candidate:
+        raise UserError("--kernel: which slot? known: " + ", ".join(SLOTS))
+    cand = args.candidate
+    # Declared shapes (a definition's constant axes, --shape) before the recipe: with them and no --recipe, a
+    # GPU takes the recipe written for production shapes (h200-shapes: 2 layers, 200 steps).
+    slot, shapes, source, defn = declared_for(
+        args.kernel, cand, getattr(args, "shape", None), getattr(args, "definition", None),
+        getattr(args, "definitions", None), device="cuda" if _cuda() else "cpu",
+        echo=lambda s: print(s, flush=True))
+    recipe_src = args.recipe or default_recipe_name(shaped=bool(shapes))
+    overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if shapes:
+        # As an override, so that plan.json (and --resume) rebuild the same model; the recipe's own
+        # `shapes:` fill the axes nothing else declares.
+        base = load_recipe(recipe_src, overrides).shapes
+        overrides["shapes"] = {**base, **shapes}
+        print(f"declared shapes {', '.join(f'{k}={v}' for k, v in overrides['shapes'].items())} "
+              f"(from {source})", flush=True)
+    return None, slot, cand, recipe_src, None, overrides, defn
+
+
+def _start_probe(args, slot, cand, out, recipe, device) -> tuple:
+    """(probe result, None) on CPU, (None, its future) on CUDA, (None, None) when the recipe or --no-probe skip it."""
     probe, probing = None, None
     if recipe.ab.probe and not getattr(args, "no_probe", False):
         if device == "cuda":
@@ -132,13 +144,19 @@ def cmd_ab(args, publish=None) -> int:
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
             probe = _preflight(slot, cand, out, recipe)
+    return probe, probing
+
+
+def _train_arms(args, recipe, slot, cand, opts, out, device) -> tuple:
+    """(corpus, vocab, {arm key: arm info}, start time) once every arm is trained, shared or kept."""
+    from ..data import load_corpus
+    from ..train.arm import model_vocab
+    from .share import ArmsCache, run_shared
 
     corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
     jobs = plan_arms(recipe, slot, cand, opts, out, lockstep=recipe.ab.lockstep_every > 0)
     total, t0 = len(jobs), time.time()
-    from .share import ArmsCache, run_shared
-
     finished = []
 
     def on_done(key, st):
@@ -150,12 +168,22 @@ def cmd_ab(args, publish=None) -> int:
     arms, _ = run_shared(recipe, jobs, corpus, device,
                          lambda todo, done: run_jobs(recipe, todo, corpus, device, workers, on_done=done),
                          ArmsCache.from_env(), fresh=getattr(args, "fresh", False), on_done=on_done)
+    return corpus, vocab, arms, t0
+
+
+def _probe_outcome(probe, probing) -> tuple:
+    """(probe result, probe error): a probe that ran beside the arms is waited for here."""
     probe_error = None
     if probing is not None:
         try:
             probe = probing.result()
         except Exception as e:  # the arms are trained: judge them all the same, then fail as a harness error
             probe_error = f"the probe failed: {type(e).__name__}: {e}".splitlines()[0][:500]
+    return probe, probe_error
+
+
+def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, t0) -> int:
+    """Judge, write verdict.json, print the table, publish; the exit code."""
     t_judge = time.time()
     result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error)
     result["timings"] = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}

@@ -127,9 +127,6 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
 
 
 def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, workers, on_done, stop):
-    step_to = recipe.ab.step_timeout_s
-    arm_to = recipe.ab.arm_timeout_s
-
     def retire(job, st):
         results[job.key] = st
         if on_done:
@@ -138,59 +135,79 @@ def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, 
     while queue or running or draining:
         if stop.requested:
             raise KeyboardInterrupt
-        for proc, deadline in list(draining):  # reaped when gone, killed when it lingers
-            if not proc.is_alive() or time.time() > deadline:
-                _kill(proc)  # its whole group: whatever the candidate started and left running goes too
-                draining.remove((proc, deadline))
+        _reap(draining)
         while queue and len(running) < workers:
-            job = queue.pop(0)
-            # An interrupted attempt starts over in an empty folder: its files may be hard links shared with the
-            # arms cache or another cell (ab/share.py), which writing in place would change there too.
-            shutil.rmtree(job.out_dir, ignore_errors=True)
-            Path(job.out_dir).mkdir(parents=True, exist_ok=True)
-            gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
-            proc = ctx.Process(target=_child, args=(job.recipe or recipe, job.spec, str(job.out_dir),
-                                                    corpus if device != "cuda" else None, gpu, time.time()),
-                               daemon=False)
-            proc.start()
-            now = time.time()
-            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+            _start(queue.pop(0), recipe, running, ctx, gpus, corpus, device)
         time.sleep(0.05)
         for key in list(running):
-            job, proc, t0, deadline, mark, _ = running[key]
-            now = time.time()
-            if proc.is_alive():
-                m = _progress_mark(job.out_dir)
-                if m != mark:
-                    running[key][3], running[key][4] = now + step_to, m
-                    st = arm_status(job.out_dir) if m[0] != mark[0] else None
-                    if st and st.get("status") in DONE:  # finished; its process may still be exiting
-                        _record_process_s(job, st, now - t0)
-                        draining.append((proc, now + EXIT_GRACE_S))
-                        del running[key]
-                        retire(job, st)
-                        continue
-                reason = None
-                if now > deadline:
-                    reason = f"no step finished within {step_to:.0f} s (train.step_timeout_s)"
-                elif now - t0 > arm_to:
-                    reason = f"arm ran longer than {arm_to:.0f} s (ab.arm_timeout_s)"
-                if reason:
-                    _kill(proc)
-                    del running[key]
-                    retire(job, _finish(job, "TIMEOUT", reason))
-                continue
-            proc.join()
-            _kill(proc)  # processes the candidate left behind in the arm's group
-            st = arm_status(job.out_dir) or {}
-            if st.get("status") not in DONE:
-                said = last_words(Path(job.out_dir) / "stdout.log")
-                st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
-                                           + (f": {said}" if said else ""))
-            else:
-                _record_process_s(job, st, now - t0)
+            _check(key, running, draining, recipe.ab, retire)
+
+
+def _reap(draining: list):
+    """Finished arms' processes: reaped when gone, killed when they linger past their deadline."""
+    for proc, deadline in list(draining):
+        if not proc.is_alive() or time.time() > deadline:
+            _kill(proc)  # its whole group: whatever the candidate started and left running goes too
+            draining.remove((proc, deadline))
+
+
+def _start(job, recipe, running: dict, ctx, gpus: list, corpus, device: str):
+    # An interrupted attempt starts over in an empty folder: its files may be hard links shared with the
+    # arms cache or another cell (ab/share.py), which writing in place would change there too.
+    shutil.rmtree(job.out_dir, ignore_errors=True)
+    Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+    gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
+    proc = ctx.Process(target=_child, args=(job.recipe or recipe, job.spec, str(job.out_dir),
+                                            corpus if device != "cuda" else None, gpu, time.time()),
+                       daemon=False)
+    proc.start()
+    now = time.time()
+    running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+
+
+def _check(key: str, running: dict, draining: list, ab, retire):
+    """One running arm: still going (watched), or its process gone (its arm.json read, a CRASH if unfinished)."""
+    job, proc, t0, _, _, _ = running[key]
+    now = time.time()
+    if proc.is_alive():
+        _watch(key, running, draining, ab, retire, now)
+        return
+    proc.join()
+    _kill(proc)  # processes the candidate left behind in the arm's group
+    st = arm_status(job.out_dir) or {}
+    if st.get("status") not in DONE:
+        said = last_words(Path(job.out_dir) / "stdout.log")
+        st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
+                                   + (f": {said}" if said else ""))
+    else:
+        _record_process_s(job, st, now - t0)
+    del running[key]
+    retire(job, st)
+
+
+def _watch(key: str, running: dict, draining: list, ab, retire, now: float):
+    """A live arm: retired once its arm.json says it finished, ended with TIMEOUT when no step finishes within
+    ab.step_timeout_s of the last one or the arm outlives ab.arm_timeout_s."""
+    job, proc, t0, deadline, mark, _ = running[key]  # the deadline before this look moves it (as it always was)
+    m = _progress_mark(job.out_dir)
+    if m != mark:
+        running[key][3], running[key][4] = now + ab.step_timeout_s, m
+        st = arm_status(job.out_dir) if m[0] != mark[0] else None
+        if st and st.get("status") in DONE:  # finished; its process may still be exiting
+            _record_process_s(job, st, now - t0)
+            draining.append((proc, now + EXIT_GRACE_S))
             del running[key]
             retire(job, st)
+            return
+    reason = None
+    if now > deadline:
+        reason = f"no step finished within {ab.step_timeout_s:.0f} s (train.step_timeout_s)"
+    elif now - t0 > ab.arm_timeout_s:
+        reason = f"arm ran longer than {ab.arm_timeout_s:.0f} s (ab.arm_timeout_s)"
+    if reason:
+        _kill(proc)
+        del running[key]
+        retire(job, _finish(job, "TIMEOUT", reason))
 
 
 def _record_process_s(job, st: dict, seconds: float):

@@ -175,38 +175,13 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
     others get links to it), and an arm found in the cache trains not at all (unless `fresh`: then it trains and
     replaces the entry). `backend(jobs, on_done)` runs the arms that do train (local processes or Ray), each once.
     Resume: a job whose folder holds a finished arm is kept as it is, shared or not."""
-    groups, todo, results = {}, [], {}  # arm key -> (ingredients, [jobs]); jobs the backend runs; {key: info}
+    todo, results = [], {}  # jobs the backend runs; {key: info}
     counts = {"arms": len(jobs), "trained": 0, "shared": 0, "from_cache": 0, "kept": 0}
-
-    def keep_or_train(job):
-        if _finished(job):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
-            results[job.key] = arm_status(job.out_dir)
-            counts["kept"] += 1
-        else:
-            todo.append(job)
-
-    for job in jobs:
-        k = arm_key(job.recipe or recipe, job.spec, corpus, device)
-        if k is None:
-            keep_or_train(job)
-            continue
-        groups.setdefault(k[0], (k[1], []))[1].append(job)
-    source = {}  # arm key -> (folder to link from, shared_from)
-    for key, (ident, group) in groups.items():
-        entry = None if fresh else cache.get(key)
-        if entry is not None:
-            meta = json.loads((entry / "cache.json").read_text())
-            source[key] = (entry, {"cache": str(entry.resolve()), "trained_in": meta.get("trained_in"),
-                                   "stored": meta.get("stored"), "host": meta.get("host"), "key": key})
-        else:
-            keep_or_train(group[0])  # the owner: trains in its own folder; the others link to it
+    keep_or_train = functools.partial(_keep_or_train, results=results, todo=todo, counts=counts)
+    groups = _group(recipe, jobs, corpus, device, keep_or_train)
+    source = _from_cache(groups, cache, fresh, keep_or_train)
     counts["trained"] = len(todo)
-    where = cache.root if cache.root is not None else "off"
-    waiting = [(k, j) for k, (_, g) in groups.items() for j in g if j is not g[0] or k in source]
-    linked = [k for k, j in waiting if not _finished(j)]
-    log(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
-        f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
-        f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
+    _log_plan(log, jobs, todo, groups, source, cache, fresh)
     if todo:
         results.update(backend(todo, on_done))
     for key, (ident, group) in groups.items():
@@ -219,16 +194,65 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
             if cache.root is not None and (fresh or cache.get(key) is None):
                 cache.put(key, Path(owner.out_dir), ident)
             source[key] = (Path(owner.out_dir), {"arm": str(Path(owner.out_dir).resolve()), "key": key})
-        src, shared_from = source[key]
-        for job in group:
-            if job.key in results:
-                continue  # the owner
-            if _finished(job):
-                results[job.key] = arm_status(job.out_dir)
-                counts["kept"] += 1
-                continue
-            results[job.key] = st = materialize(src, Path(job.out_dir), shared_from)
-            counts["from_cache" if "cache" in shared_from else "shared"] += 1
-            if on_done:
-                on_done(job.key, st)
+        _link_group(group, source[key], results, counts, on_done)
     return {job.key: results[job.key] for job in jobs if job.key in results}, counts
+
+
+def _keep_or_train(job, results: dict, todo: list, counts: dict):
+    if _finished(job):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
+        results[job.key] = arm_status(job.out_dir)
+        counts["kept"] += 1
+    else:
+        todo.append(job)
+
+
+def _group(recipe, jobs, corpus, device: str, keep_or_train) -> dict:
+    """{arm key: (its ingredients, [the jobs that share it])}; a job that shares nothing goes to `keep_or_train`."""
+    groups = {}
+    for job in jobs:
+        k = arm_key(job.recipe or recipe, job.spec, corpus, device)
+        if k is None:
+            keep_or_train(job)
+            continue
+        groups.setdefault(k[0], (k[1], []))[1].append(job)
+    return groups
+
+
+def _from_cache(groups: dict, cache: ArmsCache, fresh: bool, keep_or_train) -> dict:
+    """{arm key: (folder to link from, shared_from)} of the arms in the cache; each other group's owner (its first
+    job) goes to `keep_or_train`: it trains in its own folder and the others link to it."""
+    source = {}
+    for key, (ident, group) in groups.items():
+        entry = None if fresh else cache.get(key)
+        if entry is not None:
+            meta = json.loads((entry / "cache.json").read_text())
+            source[key] = (entry, {"cache": str(entry.resolve()), "trained_in": meta.get("trained_in"),
+                                   "stored": meta.get("stored"), "host": meta.get("host"), "key": key})
+        else:
+            keep_or_train(group[0])
+    return source
+
+
+def _log_plan(log, jobs, todo, groups: dict, source: dict, cache: ArmsCache, fresh: bool):
+    where = cache.root if cache.root is not None else "off"
+    waiting = [(k, j) for k, (_, g) in groups.items() for j in g if j is not g[0] or k in source]
+    linked = [k for k, j in waiting if not _finished(j)]
+    log(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
+        f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
+        f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
+
+
+def _link_group(group: list, src_from: tuple, results: dict, counts: dict, on_done):
+    """Every job of a group not yet answered gets the shared arm linked into its folder (or keeps a finished one)."""
+    src, shared_from = src_from
+    for job in group:
+        if job.key in results:
+            continue  # the owner
+        if _finished(job):
+            results[job.key] = arm_status(job.out_dir)
+            counts["kept"] += 1
+            continue
+        results[job.key] = st = materialize(src, Path(job.out_dir), shared_from)
+        counts["from_cache" if "cache" in shared_from else "shared"] += 1
+        if on_done:
+            on_done(job.key, st)

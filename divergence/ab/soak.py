@@ -109,38 +109,75 @@ def _gpus_per_arm(soak: dict, base, device: str) -> float:
 def cmd_soak(args, publish=None) -> int:
     """`divergence soak`. `publish` (report.publish, passed by cli) logs each judged cell and the table to wandb;
     None logs nothing."""
-    from types import SimpleNamespace
-
-    from .plan import plan_arms
-    from .run import _workers, check_optimizers, judge, write_plan
-    from .runner import run_jobs
+    from .run import _workers, check_optimizers
     from ..data import load_corpus
-    from ..detect.probe.isolate import load_meta
     from ..recipe import load_recipe
-    from ..slots import SLOTS
     from ..train.arm import model_vocab, resolve_device
 
-    if args.resume:
-        if getattr(args, "set", None):
-            raise UserError("--set: a resumed soak keeps the recipe it started with; start a new soak instead")
-        out = Path(args.resume)
-        if not (out / "soak-plan.json").exists():
-            raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
-        soak = json.loads((out / "soak-plan.json").read_text())
-        backend, address = _backend(soak, args)
-    else:
-        if not args.soak:
-            raise UserError("soak: give a SOAK.yaml (or --resume DIR)")
-        soak = load_soak(Path(args.soak))
-        soak["overrides"] = _merge(soak["overrides"], sets_to_overrides(getattr(args, "set", None)))
-        backend, address = _backend(soak, args)
-        soak["created"] = time.strftime("%Y%m%d-%H%M%S")
-        out = Path(args.out or Path("results") / f"soak-{soak['name']}-{soak['created']}")
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "soak-plan.json", soak)
+    soak, out, backend, address = _resumed(args) if args.resume else _started(args)
     base = load_recipe(soak["recipe"], soak["overrides"])
     opts = soak["optimizers"] or list(base.ab.optimizers)
     check_optimizers(opts, base, f"{soak['path']}: optimizers")
+    cells, jobs = _plan_cells(soak, out, opts)
+    device = resolve_device(base)
+    corpus = load_corpus(base.data)
+    vocab = model_vocab(base, corpus)
+    workers = _workers(base, device)
+    where = f"{device}, {workers} at a time"
+    gpus = None
+    if backend == "ray":
+        gpus = _gpus_per_arm(soak, base, device)
+        where = f"ray {address or '(local instance)'}, " + (f"{gpus:g} GPU per arm" if gpus else "CPU arms")
+    print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
+          f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
+    t0, ran = time.time(), set()
+    arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran)
+    rows, logged = _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran)
+    write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
+                                   "wall_s": time.time() - t0})
+    if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
+        meta = {"name": soak["name"], "soak": soak, "optimizers": opts, "backend": backend}
+        publish.log_soak_table(out, rows, meta)
+    _write_csv(out / "soak.csv", rows)
+    _print_rows(rows, opts)
+    if any(r["verdict"] == "ERROR" for r in rows):
+        return 2
+    return 0 if all(r["verdict"] == "PASS" for r in rows) else 1
+
+
+def _resumed(args) -> tuple:
+    """(soak, results folder, backend, ray address) of the soak in --resume's folder."""
+    if getattr(args, "set", None):
+        raise UserError("--set: a resumed soak keeps the recipe it started with; start a new soak instead")
+    out = Path(args.resume)
+    if not (out / "soak-plan.json").exists():
+        raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
+    soak = json.loads((out / "soak-plan.json").read_text())
+    backend, address = _backend(soak, args)
+    return soak, out, backend, address
+
+
+def _started(args) -> tuple:
+    """The same for a new soak: SOAK.yaml read, --set applied, its folder made and soak-plan.json written."""
+    if not args.soak:
+        raise UserError("soak: give a SOAK.yaml (or --resume DIR)")
+    soak = load_soak(Path(args.soak))
+    soak["overrides"] = _merge(soak["overrides"], sets_to_overrides(getattr(args, "set", None)))
+    backend, address = _backend(soak, args)
+    soak["created"] = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or Path("results") / f"soak-{soak['name']}-{soak['created']}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "soak-plan.json", soak)
+    return soak, out, backend, address
+
+
+def _plan_cells(soak: dict, out: Path, opts) -> tuple:
+    """([(candidate, impl, seed, recipe, cell folder, label)], [every arm's job, keyed by its cell])."""
+    from types import SimpleNamespace
+
+    from ..detect.probe.isolate import load_meta
+    from ..slots import SLOTS
+
     cells, jobs = [], []
     for i, cand in enumerate(soak["candidates"]):
         if cand["kernel"] not in SLOTS:
@@ -150,31 +187,38 @@ def cmd_soak(args, publish=None) -> int:
         impl = SimpleNamespace(**load_meta(cand["kernel"], cand["candidate"]))
         label = _label(i, cand)
         for seed in soak["seeds"]:
-            recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})
-            cell_dir = out / label / f"seed-{seed}"
-            cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,
-                                  lockstep=recipe.ab.lockstep_every > 0)
-            for j in cell_jobs:
-                j.recipe = recipe
-                j.key = f"{cell_dir.relative_to(out)}/{j.key}"
-            if not (cell_dir / "plan.json").exists():  # the cell reads as an A/B folder: report and wandb work
-                cell_dir.mkdir(parents=True, exist_ok=True)
-                write_plan(cell_dir, cand["kernel"], cand["candidate"], recipe, opts,
-                           {**soak["overrides"], "seed": seed}, soak.get("created", out.name), soak=out.name)
+            recipe, cell_dir, cell_jobs = _plan_cell(soak, out, opts, cand, seed, label)
             cells.append((cand, impl, seed, recipe, cell_dir, label))
             jobs.extend(cell_jobs)
-    device = resolve_device(base)
-    corpus = load_corpus(base.data)
-    vocab = model_vocab(base, corpus)
-    workers = _workers(base, device)
-    where = f"{device}, {workers} at a time"
-    if backend == "ray":
-        gpus = _gpus_per_arm(soak, base, device)
-        where = f"ray {address or '(local instance)'}, " + (f"{gpus:g} GPU per arm" if gpus else "CPU arms")
-    print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
-          f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
-    t0, done, ran = time.time(), [], set()
+    return cells, jobs
+
+
+def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str) -> tuple:
+    """(recipe, folder, jobs) of one (candidate, seed); the folder gets its plan.json, as an A/B's."""
+    from ..recipe import load_recipe
+    from .plan import plan_arms
+    from .run import write_plan
+
+    recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})
+    cell_dir = out / label / f"seed-{seed}"
+    cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,
+                          lockstep=recipe.ab.lockstep_every > 0)
+    for j in cell_jobs:
+        j.recipe = recipe
+        j.key = f"{cell_dir.relative_to(out)}/{j.key}"
+    if not (cell_dir / "plan.json").exists():  # the cell reads as an A/B folder: report and wandb work
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        write_plan(cell_dir, cand["kernel"], cand["candidate"], recipe, opts,
+                   {**soak["overrides"], "seed": seed}, soak.get("created", out.name), soak=out.name)
+    return recipe, cell_dir, cell_jobs
+
+
+def _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran: set) -> tuple:
+    """(arms, counts) from ab/share.run_shared over the chosen backend; `ran` gets each cell that trained an arm."""
+    from .runner import run_jobs
     from .share import ArmsCache, run_shared
+
+    done = []
 
     def on_done(key, st):
         done.append(key)
@@ -190,8 +234,14 @@ def cmd_soak(args, publish=None) -> int:
         def train(todo, done_cb):
             return run_jobs(base, todo, corpus, device, workers, on_done=done_cb)
     # Every cell of one seed shares its reference and null arms: each trains once, or comes from the cache.
-    arms, counts = run_shared(base, jobs, corpus, device, train, ArmsCache.from_env(),
-                              fresh=getattr(args, "fresh", False), on_done=on_done)
+    return run_shared(base, jobs, corpus, device, train, ArmsCache.from_env(),
+                      fresh=getattr(args, "fresh", False), on_done=on_done)
+
+
+def _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran: set) -> tuple:
+    """(a table row per cell, wandb runs logged): each cell judged, its verdict.json written and published."""
+    from .run import judge
+
     rows, logged = [], 0
     for cand, impl, seed, recipe, cell_dir, label in cells:
         prefix = f"{cell_dir.relative_to(out)}/"
@@ -203,21 +253,20 @@ def cmd_soak(args, publish=None) -> int:
         rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
                      "verdict": result["verdict"], "case": result["case"],
                      **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})
-    write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
-                                   "wall_s": time.time() - t0})
-    if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
-        meta = {"name": soak["name"], "soak": soak, "optimizers": opts, "backend": backend}
-        publish.log_soak_table(out, rows, meta)
+    return rows, logged
+
+
+def _write_csv(path: Path, rows: list):
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
-    write_atomic(out / "soak.csv", buf.getvalue())
+    write_atomic(path, buf.getvalue())
+
+
+def _print_rows(rows: list, opts):
     print()
     print(f"{'kernel':<22} {'candidate':<34} {'seed':>4}  " + " ".join(f"{o:<9}" for o in opts) + " overall")
     for r in rows:
         print(f"{r['kernel']:<22} {r['candidate'][-34:]:<34} {r['seed']:>4}  "
               + " ".join(f"{r[o]:<9}" for o in opts) + f" {r['verdict']}")
-    if any(r["verdict"] == "ERROR" for r in rows):
-        return 2
-    return 0 if all(r["verdict"] == "PASS" for r in rows) else 1
