@@ -3,7 +3,29 @@ a killed run, or two processes writing the same file at once, never leave a half
 from __future__ import annotations
 
 import os
+import json
 from pathlib import Path
+
+
+class JSONFileError(ValueError):
+    """A JSON file that is missing, unparsable or not an object; the message is the reason alone, for the caller
+    to prefix with the file and its own error type."""
+
+
+def read_json_object(path, what: str) -> dict:
+    """The JSON object in `path` (a recipe's model config, a solution, a definition), or JSONFileError saying
+    "{what} file not found", "not valid JSON (line L, column C: message)" or "{what} must be a JSON object"
+    (`what`: "a solution", "a definition", ...)."""
+    path = Path(path)
+    if not path.is_file():
+        raise JSONFileError(f"{what} file not found")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise JSONFileError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(obj, dict):
+        raise JSONFileError(f"{what} must be a JSON object")
+    return obj
 
 
 def write_atomic(path, data) -> None:

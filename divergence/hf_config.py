@@ -9,11 +9,11 @@ the recipe sets itself wins over the config's (that is how tests shrink a produc
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from .errors import RecipeError
+from .files import JSONFileError, read_json_object
 
 # config.json key -> model key, for keys taken as they are
 _SIMPLE = {
@@ -54,14 +54,10 @@ def resolve_config_path(path: str, base: Optional[Path]) -> Path:
 def model_from_hf_config(model: dict, base: Optional[Path], where: str) -> dict:
     """The raw `model` mapping with every key the config sets and the recipe does not."""
     path = resolve_config_path(model["from_hf_config"], base)
-    if not path.is_file():
-        raise RecipeError(f"{where}: {path} not found")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"{where}: {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-    if not isinstance(cfg, dict):
-        raise RecipeError(f"{where}: {path} must hold a JSON object")
+        cfg = read_json_object(path, "a model config")
+    except JSONFileError as e:
+        raise RecipeError(f"{where}: {path}: {e}") from None
     taken = {}
     for key, ours in _SIMPLE.items():
         if cfg.get(key) is not None:

@@ -33,3 +33,16 @@ def cache_root() -> Path:
         return SOURCE_ROOT / "data"
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "divergence"
+
+
+def code_version(parts) -> str:
+    """A hash of the package's sources under `parts` (files or folders relative to the package): what a cached
+    result (a shared arm, a probe capture) depends on besides its inputs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for part in parts:
+        p = PACKAGE_DIR / part
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(f.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()

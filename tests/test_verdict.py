@@ -62,9 +62,13 @@ def test_lockstep_stopped_by_an_exception_is_not_pass():
     assert res["verdict"] == "INCONCLUSIVE" and V.exit_code(res) == 2
 
 
-def test_lost_lockstep_reference_is_not_pass():
-    res = V.combine({"sgd": _pass({"wrong": False, "failed": "CRASH: signal 11", "first_wrong_step": None})})
-    assert res["verdict"] != "PASS" and V.exit_code(res) != 0
+def test_a_lockstep_check_that_stopped_is_not_pass():
+    """The check's own reference op or oracle raised (lockstep.py records `error` and checks no more): the A/B alone
+    passed, but the run is INCONCLUSIVE, not PASS."""
+    ls = dict(GOOD_LS, error="step 3: RuntimeError: oracle out of memory")
+    res = V.combine({"sgd": _pass(ls)})
+    assert res["verdict"] == "INCONCLUSIVE" and V.exit_code(res) == 2
+    assert res["signals"]["lockstep"]["verdict"] == "INCONCLUSIVE"
 
 
 def test_all_signals_inconclusive_is_not_pass():

@@ -50,7 +50,7 @@ def reference_problem(recipe, opt: str, st: Optional[dict], ref_dir: Path) -> Op
         return None
     steps = np.array([r["step"] for r in rows])
     loss = np.array([r["loss"] for r in rows], dtype=float)
-    k = max(1, len(loss) // 50)  # the verdict's smoothing (steps / 50)
+    k = max(1, len(loss) // 50)  # as wide as the verdict's smoothing (steps / 50), but centred: whole windows only
     smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
     start, end = float(smooth[0]), float(smooth[-1])
     if not (np.isfinite(end) and end <= start):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..device import pick_device
 from ..errors import UserError
 from ..overrides import sets_to_overrides
 from ..recipe import default_recipe_name, load_recipe
@@ -116,7 +117,7 @@ def _asked(args) -> tuple:
     # GPU takes the recipe written for production shapes (h200-shapes: 2 layers, 200 steps).
     slot, shapes, source, defn = declared_for(
         args.kernel, cand, getattr(args, "shape", None), getattr(args, "definition", None),
-        getattr(args, "definitions", None), device="cuda" if _cuda() else "cpu",
+        getattr(args, "definitions", None), device=pick_device(None, UserError("no CUDA device")),
         echo=lambda s: print(s, flush=True))
     recipe_src = args.recipe or default_recipe_name(shaped=bool(shapes))
     overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
@@ -211,12 +212,6 @@ def _preflight(slot, cand, out, recipe):
     print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))"
           + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
     return res
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None) -> dict:

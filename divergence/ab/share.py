@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .. import paths
 from ..train.metrics import write_json
 from .runner import DONE, arm_status
 
-PACKAGE = Path(__file__).resolve().parents[1]
 # The sources an arm's training runs (ab/runner's child only sets up the process; detect/ is the candidate arm's).
 CODE = ("errors.py", "recipe.py", "data", "slots", "candidates", "model", "train")
 ENV = "DIVERGENCE_ARMS_CACHE"
@@ -43,12 +43,7 @@ DEFAULT_CACHE = Path("results") / ".arms-cache"
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    h = hashlib.sha256()
-    for part in CODE:
-        p = PACKAGE / part
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
-            h.update(str(f.relative_to(PACKAGE)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+    return paths.code_version(CODE)
 
 
 def device_kind(device: str) -> dict:

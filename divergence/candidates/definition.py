@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import CandidateError
+from ..files import JSONFileError, read_json_object
 
 ENV = "DIVERGENCE_DEFINITIONS"  # a folder of definitions, searched by the solution's `definition` name
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "float": "float32",
@@ -118,15 +119,10 @@ def load_definition(path) -> Definition:
 
 
 def _read_object(path: Path, where: str) -> dict:
-    if not path.is_file():
-        _fail(where, "definition file not found")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        _fail(where, f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
-    if not isinstance(raw, dict):
-        _fail(where, "a definition must be a JSON object")
-    return raw
+        return read_json_object(path, "a definition")
+    except JSONFileError as e:
+        _fail(where, str(e))
 
 
 def _checked_axes(where: str, axes) -> dict:

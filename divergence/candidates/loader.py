@@ -22,7 +22,6 @@ import importlib
 import importlib.util
 import inspect
 import itertools
-import json
 import os
 import re
 import sys
@@ -33,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import CandidateError
+from ..files import JSONFileError, read_json_object
 from ..slots.contract import Contract
 from ..slots.registry import Impl, check_outputs, sha256_of
 from .guard import check_untouched, fingerprint
@@ -155,11 +155,9 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
     if not path.is_file():
         raise CandidateError(f"candidate file not found: {path}")
     try:
-        sol = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CandidateError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not isinstance(sol, dict):
-        raise CandidateError(f"{path}: a solution must be a JSON object with `spec` and `sources`")
+        sol = read_json_object(path, "a solution")
+    except JSONFileError as e:
+        raise CandidateError(f"{path}: {e}") from None
     spec, sources = sol.get("spec"), sol.get("sources")
     if not isinstance(spec, dict):
         raise CandidateError(f"{path}: `spec` is missing or not an object")

@@ -31,7 +31,7 @@ from ..candidates import globalstate
 from ..slots import SLOTS
 from ..slots.contract import as_tuple, oracle_inputs
 from .buckets import bucket_rows
-from .rule import RATIO, diff64 as _diff, record_judgement, rel_error as _rel, rounding_floor
+from .rule import RATIO, diff64 as _diff, record_judgement, record_ratio, rel_error as _rel, rounding_floor
 
 WINDOW = 3  # consecutive checked steps over the limit before "wrong": one unlucky batch is not a verdict
 
@@ -197,11 +197,10 @@ class Lockstep:
             pb = per_bucket.view(-1, 3)
             pairs_c, pairs_r = torch.cat([errs_c, pb[:, 0]]), torch.cat([errs_r, pb[:, 1]])
         score = (pairs_c / (RATIO * pairs_r + floor)).max()
-        # Lifted by a thousandth of the floor, so 0 / 0 (both exact) reads as 1 (rule.record_ratio).
-        f0 = 1e-3 * floor if floor > 0 else 1e-300
-        log_ratio = torch.log((errs_c.max() + f0) / (errs_r.max() + f0))
+        err_c, err_r = errs_c.max(), errs_r.max()
+        log_ratio = torch.log(record_ratio(err_c, err_r, floor))  # 0 / 0 (both exact) reads as 1
         dev = errs_c.device
-        tail = [errs_c.max().reshape(1), errs_r.max().reshape(1),
+        tail = [err_c.reshape(1), err_r.reshape(1),
                 torch.full((1,), floor, dtype=torch.float64, device=dev), score.reshape(1), log_ratio.reshape(1),
                 torch.ones(1, dtype=torch.float64, device=dev)]
         if self.slot == "attn_softcap":

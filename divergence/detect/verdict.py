@@ -243,17 +243,15 @@ def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
             findings.append(f"{o}: {ls['global_state']}")
         elif ls.get("wrong"):
             how = []
-            if ls.get("first_step_over", ls.get("first_wrong_step")) is not None:
-                how.append(f"over the per-step limit from step {ls.get('first_step_over', ls.get('first_wrong_step'))}")
+            if ls.get("first_step_over") is not None:
+                how.append(f"over the per-step limit from step {ls['first_step_over']}")
             rec = ls.get("record") or {}
             if rec.get("wrong"):
                 how.append(f"median error {rec['median_ratio']:.2f}x the reference's over {rec['checked']} steps "
                            f"(limit {rec['limit']:g}x, caught at step {rec['first_step']})")
             findings.append(f"{o}: wrong on live inputs, " + " and ".join(how or ["see the lockstep record"]))
-        elif ls.get("failed"):
-            unsure.append(f"{o}: the check did not run to its end ({ls['failed']})")
         elif ls.get("error"):
-            unsure.append(f"{o}: stopped, the candidate raised on live inputs at {ls['error']}")
+            unsure.append(f"{o}: the check stopped (its reference op or oracle raised) at {ls['error']}")
         elif (ls.get("checked_steps") or 0) < MIN_RECORD_STEPS:
             unsure.append(f"{o}: {ls.get('checked_steps') or 0} checked steps, fewer than {MIN_RECORD_STEPS}")
         else:
@@ -347,10 +345,10 @@ def _fold_lockstep(v: dict, lockstep_enabled: bool):
         v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (worst step: error "
                        f"{_num(ls.get('worst_err_candidate'))} vs the reference's "
                        f"{_num(ls.get('worst_err_reference'))}); training stayed inside the null envelope")
-    elif v["verdict"] == "PASS" and lockstep_enabled and (ls.get("failed") or ls.get("error") or not ls):
+    elif v["verdict"] == "PASS" and lockstep_enabled and (ls.get("error") or not ls):
         v["verdict"] = "INCONCLUSIVE"
         v["detail"] = "the lockstep check did not run to its end: " + str(
-            ls.get("failed") or ls.get("error") or "no record")
+            ls.get("error") or "no record")
 
 
 def _case(per_opt: dict, signals: dict) -> tuple:

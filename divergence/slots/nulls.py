@@ -133,7 +133,7 @@ def _perm(n: int, k: int, device) -> torch.Tensor:
 
 def _embed_family(k):
     def fn(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
-        dh, gw = fused_embed_rmsnorm._row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
+        dh, _ = fused_embed_rmsnorm._row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
         p = _perm(dh.shape[0], k, dh.device)
         ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float32, device=dh.device)
         ge.index_add_(0, input_ids.reshape(-1)[p], dh[p])

@@ -23,7 +23,6 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -125,15 +124,9 @@ class Capture:
 
 
 def code_version() -> str:
-    from ...recipe import REPO_ROOT
+    from ...paths import code_version as sources_hash
 
-    pkg = REPO_ROOT / "divergence"
-    h = hashlib.sha256()
-    for part in CODE:
-        p = pkg / part
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
-            h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return sources_hash(CODE)[:16]
 
 
 def capture_recipe(recipe, device: str):

@@ -11,16 +11,12 @@ import math
 import torch
 
 from ...errors import UserError
-from ..rule import RATIO, rel_error as _rel, rounding_floor
+from ..rule import allowed, rel_error as _rel
 from ...slots.contract import Contract
 
 # The kinds of finding, in the order the table lists them; crash and timeout are the worker's watchdog's (isolate.py).
 CHECKS = ("crash", "timeout", "exception", "global_state", "late_write", "mutated_input", "unwritten", "nonfinite", "error", "row_error", "nondeterministic",
           "reuse", "fresh_storage")
-
-
-def allowed(ref_err: float, dtype: torch.dtype) -> float:
-    return RATIO * ref_err + rounding_floor(dtype)
 
 
 def one_ulp(o: torch.Tensor, dtype: torch.dtype) -> float:

@@ -3,7 +3,7 @@
 Names, dtypes and ranks can all match while the meaning differs (outputs in another order, another
 normalisation, a transposed weight). Both references run on one input of the slot's generator at the declared
 constant axes; each is measured against the slot's float64 oracle, and the definition's must satisfy the same rule
-as any candidate (checks.allowed: RATIO x the slot reference's own error + half an ulp), never a fixed tolerance.
+as any candidate (rule.allowed: RATIO x the slot reference's own error + half an ulp), never a fixed tolerance.
 A definition that disagrees is refused in one line, and no verdict is given under it.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from ...candidates.definition import Definition, DefinitionError
 from ...slots.contract import as_tuple, oracle_inputs
+from ..rule import allowed
 from . import checks
 
 SMALL_VAR = {"batch": 2, "seq": 64}  # the variable axes of the check's one input: the constant ones decide
@@ -67,7 +68,7 @@ def cross_check(defn: Definition, slot: str, shapes: dict, device: str = "cpu", 
             shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
             raise DefinitionError(f"{head}: its reference's {name} has shape {shape}, the slot's {tuple(r.shape)}")
         e_def, e_ref = checks.rel(g, o), checks.rel(r, o)
-        lim = checks.allowed(e_ref, r.dtype)
+        lim = allowed(e_ref, r.dtype)
         out[name] = {"definition": e_def, "slot": e_ref, "allowed": lim}
         if not e_def <= lim:
             raise DefinitionError(f"{head}: on {name} its reference is off the float64 oracle by {e_def:.2e}, the "
