@@ -52,15 +52,21 @@ def _seeds(text: str) -> list:
     return out
 
 
-def candidates(cuda_triton: bool, nulls: int, extra_nulls: int) -> tuple:
+def candidates(cuda_triton: bool, nulls: int, extra_nulls: int, slots=None) -> tuple:
+    """(known-good cells, known-bad cells), each {"kernel", "candidate"}; `slots` keeps only those slots."""
     from divergence.slots import SLOTS
     from divergence.zoo import ZOO
 
+    keep = set(slots or SLOTS)
+    unknown = keep - set(SLOTS)
+    if unknown:
+        raise SystemExit(f"calibrate: --slots: unknown slot(s) {sorted(unknown)} (slots: {sorted(SLOTS)})")
     good = [{"kernel": e.slot, "candidate": f"zoo:{n}"} for n, e in ZOO.items()
             if e.verdict == "good" and (cuda_triton or not e.gpu_only)]
     good += [{"kernel": s, "candidate": f"null-{nulls + k}"} for s in SLOTS for k in range(1, extra_nulls + 1)]
     bad = ["triton_embed_bf16", "triton_softcap_omitted"] if cuda_triton else ["embed_bf16_accum", "softcap_omitted"]
-    return good, [{"kernel": ZOO[n].slot, "candidate": f"zoo:{n}"} for n in bad]
+    bad = [{"kernel": ZOO[n].slot, "candidate": f"zoo:{n}"} for n in bad]
+    return [c for c in good if c["kernel"] in keep], [c for c in bad if c["kernel"] in keep]
 
 
 def caught(v: dict) -> dict:
@@ -85,10 +91,12 @@ def main(argv=None) -> int:
     from divergence.cli import main as cli
     from divergence.recipe import load_recipe
 
+    if args.combine:
+        return _combine([Path(d) for d in args.combine])
     recipe = load_recipe(args.recipe)
     nulls = args.nulls or recipe.ab.nulls
     cuda_triton = torch.cuda.is_available() and _has_triton()
-    good, bad = candidates(cuda_triton, nulls, args.extra_nulls)
+    good, bad = candidates(cuda_triton, nulls, args.extra_nulls, args.slots and args.slots.split(","))
     if args.only == "good":
         bad = []
     elif args.only == "bad":
@@ -109,6 +117,21 @@ def main(argv=None) -> int:
     return 0 if not fp and not missed and not summary["errors"] else 1
 
 
+def _combine(outs: list) -> int:
+    """Judge nothing new: the cells of several finished calibrations (e.g. one per seed, each run in its own time
+    slot) counted together, with the interval of the pooled count."""
+    cells, bads = [], set()
+    for out in outs:
+        if not (out / "bad.json").exists():
+            raise SystemExit(f"calibrate: --combine: {out} is not a calibration folder (no bad.json)")
+        bads |= set(json.loads((out / "bad.json").read_text()))
+        cells += _cells(out)
+    goods = [c for c in cells if c[1] not in bads]
+    summary, fp, missed = _report(cells, goods, [c for c in cells if c[1] in bads])
+    print(f"\n{len(cells)} A/Bs from {len(outs)} calibration folder(s)")
+    return 0 if not fp and not missed and not summary["errors"] else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="tiny")
@@ -119,10 +142,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--extra-nulls", type=int, default=1, help="null-K candidates per slot past the recipe's nulls")
     ap.add_argument("--softcap", type=float,
                     help="model.attn_softcap override (default 0.5 on tiny, else the recipe's)")
+    ap.add_argument("--slots", help="comma-separated slots to calibrate (default: every slot)")
+    ap.add_argument("--workers", type=int, help="override ab.workers (arms at once per GPU)")
     ap.add_argument("--only", choices=("good", "bad"), help="run only the known-good or the known-bad cells")
     ap.add_argument("--out", default=None)
     ap.add_argument("--resume", metavar="OUT", help="continue a calibration cut short (e.g. by a time limit): the "
                                                     "soak in OUT/soak is resumed, finished arms kept, then judged")
+    ap.add_argument("--combine", nargs="+", metavar="OUT", help="count the cells of finished calibrations together "
+                                                                    "(no training)")
     ap.add_argument("--wandb", action="store_true", help="log the soak to wandb (off by default)")
     return ap
 
@@ -134,6 +161,8 @@ def _overrides(args, recipe) -> dict:
         overrides.setdefault("train", {})["steps"] = args.steps
     if args.nulls:
         overrides.setdefault("ab", {})["nulls"] = args.nulls
+    if args.workers:
+        overrides.setdefault("ab", {})["workers"] = args.workers
     cap = args.softcap if args.softcap is not None else (0.5 if recipe.name == "tiny" else None)
     if cap is not None:
         overrides.setdefault("model", {})["attn_softcap"] = cap

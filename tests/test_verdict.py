@@ -264,3 +264,19 @@ def test_clopper_pearson_of_the_calibration_script():
     assert lo == 0 and hi == pytest.approx(1 - 0.025 ** (1 / 40), rel=1e-6)  # 0.0881: the rule of three's exact form
     lo, hi = clopper_pearson(5, 10)
     assert lo == pytest.approx(0.1871, abs=1e-4) and hi == pytest.approx(0.8129, abs=1e-4)
+
+
+def test_calibration_script_keeps_only_the_slots_asked_for():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calibrate import candidates
+
+    good, bad = candidates(False, 2, 1, ["attn_softcap"])
+    assert good == [{"kernel": "attn_softcap", "candidate": "null-3"}]
+    assert bad == [{"kernel": "attn_softcap", "candidate": "zoo:softcap_omitted"}]
+    good, _ = candidates(True, 2, 2, ["fused_embed_rmsnorm", "attn_softcap"])
+    assert {c["kernel"] for c in good} == {"fused_embed_rmsnorm", "attn_softcap"}
+    assert {"zoo:triton_softcap", "zoo:triton_embed_fp32", "null-4"} <= {c["candidate"] for c in good}
+    with pytest.raises(SystemExit, match="unknown slot"):
+        candidates(False, 2, 1, ["no_such_slot"])
