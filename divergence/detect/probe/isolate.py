@@ -34,6 +34,7 @@ import torch
 from ...candidates import globalstate
 from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ...errors import CandidateError
+from .. import bitwise
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ class _Watch:
         if self.device == "cuda":
             torch.cuda.synchronize()
         for (name, x), was in zip(named, seen):
-            if not torch.equal(x.nan_to_num(), was.nan_to_num()):
+            if bool(bitwise.changed(x, was)):  # bit for bit (bitwise.py): a NaN written over a 0 is a write
                 kind = "output" if name in self.contract.outputs else "input"
                 self.findings.append({"check": "late_write", "output": name, "error": None, "allowed": None,
                                       "detail": f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the "
