@@ -109,10 +109,9 @@ class Lockstep:
         given, self.given = self.given, None
         state, self.state = self.state, None
         if state is not None:
-            what = globalstate.changed(state, globalstate.snapshot())
+            what = globalstate.put_back(state)
             if what:
-                globalstate.restore(state)
-                self.global_state = self.global_state or globalstate.describe(what)
+                self.global_state = self.global_state or what
         if not self._due() or given is None or given[0] != step:
             return
         try:

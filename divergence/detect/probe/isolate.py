@@ -259,10 +259,9 @@ def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destinatio
         fatal = any(m in str(e) for m in _CUDA_FATAL)
     # A CUDA error the candidate raised (and the probe recorded) leaves the context unusable all the same.
     fatal = fatal or any(m in (f.get("detail") or "") for f in got for m in _CUDA_FATAL)
-    what = globalstate.changed(state, globalstate.snapshot())
-    if what:  # reported, and put back: the next family must not run under the candidate's settings
-        got.append(checks._finding("global_state", None, globalstate.describe(what)))
-        globalstate.restore(state)
+    what = globalstate.put_back(state)  # the next family must not run under the candidate's settings
+    if what:
+        got.append(checks._finding("global_state", None, what))
     conn.send(("done", got, time.perf_counter() - t, fatal))
     return fatal
 
