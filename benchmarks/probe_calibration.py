@@ -2,9 +2,10 @@
 
 Every calibration member of the zoo (a `probe_family` in its catalogue entry: wrong only at magnitudes the synthetic
 families never reach) is probed twice on one seed: on the synthetic families alone (inputs.py: it must PASS) and on
-the default sweep (it must FAIL, with a finding in its named family). Every known-good member (Triton ones on CUDA)
-must PASS the default sweep; with --nulls the reference and both nulls of every slot too. The first probe of a slot
-may train the capture run (captured families; its time is printed as a note); later ones load it from the cache.
+the default sweep (it must FAIL, with a finding in its named family). Every known-good member must PASS the default
+sweep (Triton ones on CUDA, or on the CPU with TRITON_INTERPRET=1); with --nulls the reference and both nulls of
+every slot too. The first probe of a slot may train the capture run (captured families; its time is printed as a
+note); later ones load it from the cache.
 
 Prints a Markdown table (README.md's "Probe calibration"), per-probe wall times, and exits 0 when every row is as
 expected, 1 otherwise.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,7 +30,7 @@ from divergence.detect.probe import inputs as probe_inputs  # noqa: E402
 from divergence.detect.probe import run_probe  # noqa: E402
 from divergence.detect.probe.run import device_from_flag  # noqa: E402
 from divergence.slots import SLOTS  # noqa: E402
-from divergence.zoo import ZOO  # noqa: E402
+from divergence.zoo import ZOO, has_triton  # noqa: E402
 
 
 def kind(family: str) -> str:
@@ -56,8 +58,10 @@ def main(argv=None) -> int:
     device = device_from_flag(a.device)
     out = Path(a.out or tempfile.mkdtemp(prefix="probe-calibration-"))
     jobs = [(n, e.slot, f"zoo:{n}", "bad") for n, e in ZOO.items() if e.probe_family]
+    # Triton members on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before Python starts)
+    triton_here = device == "cuda" or (os.environ.get("TRITON_INTERPRET") == "1" and has_triton())
     jobs += [(n, e.slot, f"zoo:{n}", "good") for n, e in ZOO.items()
-             if e.verdict == "good" and (device == "cuda" or not e.gpu_only)]
+             if e.verdict == "good" and (triton_here or not e.gpu_only)]
     if a.nulls:
         jobs += [(f"{s}/{c}", s, c, "good") for s in SLOTS for c in ("reference", "null-1", "null-2")]
 
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
             synthetic = run_probe(slot, spec, out / name / "synthetic", seed=a.seed, device=device, only=fams,
                                   recipe=a.recipe)
         res = run_probe(slot, spec, out / name / "all", seed=a.seed, device=device, recipe=a.recipe)
-        for n in res["notes"]:
+        for n in (synthetic or {"notes": []})["notes"] + res["notes"]:  # the first of the two may have captured
             if n.startswith("captured"):
                 print(f"note ({slot}): {n}", flush=True)
         got = caught_by(res)

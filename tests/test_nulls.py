@@ -63,6 +63,36 @@ def test_nulls_are_distinct(slot):
         resolve(slot, "null-x")
 
 
+# The slots whose null-k sums in a permuted order, and another length of a permuted axis.
+PERMUTED = {"fused_embed_rmsnorm": {"seq": 40}, "rmsnorm": {"hidden": 40}, "rmsnorm_backward": {"hidden": 40},
+            "attn_softcap": {"seq": 40}, "cross_entropy": {"vocab": 40}}
+
+
+@pytest.mark.parametrize("slot", PERMUTED)
+def test_null_k_draws_its_order_once_per_shape(slot, monkeypatch):
+    """null-k's permutation is drawn on its first call at a shape and kept by that null (not by the module): later
+    calls at that shape draw none and give the same bits; another shape draws again; a fresh null draws its own."""
+    c = SLOTS[slot]
+    ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
+    drawn = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda n, **kw: drawn.append(n) or real(n, **kw))
+    impl = resolve(slot, "null-3")
+    inputs = _inputs(c, 0, torch.float32)
+    first = as_tuple(impl.fn(*inputs, **ctx))
+    once = len(drawn)
+    assert once in (1, 2), drawn  # one axis, or two (the row sums of rmsnorm_backward and cross_entropy)
+    again = as_tuple(impl.fn(*inputs, **ctx))
+    assert len(drawn) == once
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    impl.fn(*c.make_inputs(torch.Generator().manual_seed(0), **PERMUTED[slot]), **ctx)  # another length
+    assert len(drawn) > once
+    fresh = resolve(slot, "null-3")
+    n = len(drawn)
+    assert all(torch.equal(a, b) for a, b in zip(first, as_tuple(fresh.fn(*inputs, **ctx))))
+    assert len(drawn) == n + once
+
+
 def test_ab_with_four_nulls(tmp_path):
     """`ab.nulls: 4` (the recipe key) trains four null arms per optimizer and the leave-one-out check uses them."""
     from divergence.cli import main

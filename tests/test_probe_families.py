@@ -130,3 +130,22 @@ def test_a_recipe_that_does_not_load_is_exit_2(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "no_such_recipe" in err and "\n" not in err
+
+
+def test_the_ab_preflight_captures_from_the_ab_recipe(tmp_path):
+    """`divergence ab`'s probe captures its live inputs from the A/B's own recipe, not the probe's default: an
+    A/B at width 48 (tiny has 64) sees captured RMSNorm rows of width 48, cached under its own recipe's key."""
+    import re
+
+    from divergence.ab.run import _preflight
+    from divergence.recipe import load_recipe
+
+    recipe = load_recipe("tiny", {"model": {"d_model": 48, "d_ff": 128}, "train": {"steps": 3}, "seed": 7})
+    res = _preflight("rmsnorm", "reference", tmp_path, recipe, "cpu")
+    assert res["verdict"] == "PASS", res["findings"]
+    live = [f["shape"] for f in res["families"] if f["family"].startswith("captured-step-")]
+    assert live and {f"captured-step-{s}" for s in (0, 1, 2)} <= {f["family"] for f in res["families"]}
+    assert all(re.search(r"\bx=[\dx]+x48\b", s) for s in live), live
+    folder = captured.cache_folder(captured.capture_recipe(recipe, "cpu"), "cpu")
+    assert (folder / "rmsnorm.pt").is_file()
+    assert folder != captured.cache_folder(captured.capture_recipe(None, "cpu"), "cpu")

@@ -141,10 +141,10 @@ def _start_probe(args, slot, cand, out, recipe, device) -> tuple:
             # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            probing = pool.submit(_preflight, slot, cand, out, recipe)
+            probing = pool.submit(_preflight, slot, cand, out, recipe, device)
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
-            probe = _preflight(slot, cand, out, recipe)
+            probe = _preflight(slot, cand, out, recipe, device)
     return probe, probing
 
 
@@ -199,7 +199,10 @@ def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab,
     return result["exit_code"]
 
 
-def _preflight(slot, cand, out, recipe):
+def _preflight(slot, cand, out, recipe, device):
+    """The probe of `cand` on the A/B's device, its captured families from the A/B's own recipe (its model, shapes,
+    seed and data: captured.cache_folder keys the capture by it), so an A/B at production shapes is probed at its
+    own shapes and magnitudes, not at the probe's default recipe's."""
     from dataclasses import replace
 
     from ..detect.probe import run_probe
@@ -208,7 +211,8 @@ def _preflight(slot, cand, out, recipe):
     # A probe family is a handful of op calls, a training step dozens: no family may outlast the recipe's step
     # timeout, so a hanging candidate ends the probe within the recipe's timeouts too.
     limits = replace(DEFAULT, family_s=min(DEFAULT.family_s, recipe.ab.step_timeout_s))
-    res = run_probe(slot, cand, out_dir=out / "probe", shapes=recipe.shapes or None, limits=limits)
+    res = run_probe(slot, cand, out_dir=out / "probe", device=device, shapes=recipe.shapes or None, limits=limits,
+                    recipe=recipe)
     print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))"
           + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
     return res

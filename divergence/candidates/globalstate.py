@@ -3,8 +3,8 @@
 A candidate that calls `torch.manual_seed`, draws from the global generator, or flips the default dtype, the
 deterministic-algorithms flag or the matmul precision changes everything that runs after it in its process: in
 the reference arm (the lockstep check calls the candidate there) that would be the reference's own training. The
-lockstep check and the probe's worker take a snapshot around the candidate's calls, report what changed, and put
-it back. Cost, measured 2026-11-23 on the 2-core CPU machine (torch 2.13): 12.5 us for a snapshot and its
+lockstep check and the probe's worker take a `snapshot` before the candidate's call and call `put_back` after it,
+which says what changed and puts it back. Cost, measured 2026-11-23 on the 2-core CPU machine (torch 2.13): 12.5 us for a snapshot and its
 comparison (the CPU generator's 5 KB state is most of it), so ~25 us per checked call.
 """
 from __future__ import annotations
@@ -39,12 +39,17 @@ def snapshot() -> dict:
 
 def changed(before: dict, after: dict) -> list:
     """Names of what differs, in words."""
+    return [k if isinstance(before[k], torch.Tensor) else f"{k} {_show(before[k])} -> {_show(after.get(k))}"
+            for k in _changed_keys(before, after)]
+
+
+def _changed_keys(before: dict, after: dict) -> list:
     out = []
     for k, v in before.items():
         w = after.get(k)
         same = torch.equal(v, w) if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) else v == w
         if not same:
-            out.append(k if isinstance(v, torch.Tensor) else f"{k} {_show(v)} -> {_show(w)}")
+            out.append(k)
     return out
 
 
@@ -52,23 +57,51 @@ def _show(v) -> str:
     return str(v).replace("torch.", "")
 
 
-def restore(s: dict) -> None:
-    torch.set_default_dtype(s["default dtype"])
-    det, warn = s["deterministic algorithms"]
-    torch.use_deterministic_algorithms(det, warn_only=warn)
-    torch.set_float32_matmul_precision(s["float32 matmul precision"])
+def _set_cudnn(v):
     c = torch.backends.cudnn
-    c.enabled, c.benchmark, c.deterministic, c.allow_tf32 = s["cudnn flags"]
+    c.enabled, c.benchmark, c.deterministic, c.allow_tf32 = v
+
+
+def _set_cuda_matmul(v):
     m = torch.backends.cuda.matmul
-    m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = \
-        s["cuda matmul flags"]
-    torch.set_grad_enabled(s["grad mode"])
-    if torch.get_num_threads() != s["threads"]:
-        torch.set_num_threads(s["threads"])
-    torch.random.set_rng_state(s["CPU random generator"])
-    if "CUDA random generator" in s:
-        torch.cuda.set_rng_state(s["CUDA random generator"])
+    m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = v
+
+
+# One setter per snapshot key, in snapshot order (the matmul precision before the TF32 flags it also sets).
+_SETTERS = {
+    "default dtype": torch.set_default_dtype,
+    "deterministic algorithms": lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+    "float32 matmul precision": torch.set_float32_matmul_precision,
+    "cudnn flags": _set_cudnn,
+    "cuda matmul flags": _set_cuda_matmul,
+    "grad mode": torch.set_grad_enabled,
+    "threads": torch.set_num_threads,
+    "CPU random generator": torch.random.set_rng_state,
+    "CUDA random generator": lambda v: torch.cuda.set_rng_state(v),
+}
+
+
+def restore(s: dict, keys=None) -> None:
+    """Put back the settings of snapshot `s` (only `keys` where given)."""
+    for k in _SETTERS:
+        if k in s and (keys is None or k in keys):
+            _SETTERS[k](s[k])
 
 
 def describe(what: list) -> str:
     return "the candidate changes torch's global state at call time: " + "; ".join(what) + " (put back after it)"
+
+
+def put_back(before: dict) -> "str | None":
+    """The one check around a candidate's call, for the lockstep check and the probe's worker alike: what changed
+    since `before` (a snapshot taken before the call), in one line for the finding, with what changed put back;
+    None when nothing did. Only what changed is set again: `torch.use_deterministic_algorithms` imports
+    torch._inductor on its first call (1.2-1.5 s, measured 2026-11-23 on the 2-core CPU, torch 2.13), which put
+    back with everything else made a probe family of a candidate that only reseeds take longer than the
+    hostile tests' 1.45 s watchdog limit."""
+    after = snapshot()
+    keys = _changed_keys(before, after)
+    if not keys:
+        return None
+    restore(before, keys)
+    return describe(changed(before, after))

@@ -30,17 +30,11 @@ import torch
 from ..candidates import globalstate
 from ..slots import SLOTS
 from ..slots.contract import as_tuple, oracle_inputs
+from . import bitwise
 from .buckets import bucket_rows
 from .rule import RATIO, diff64 as _diff, record_judgement, record_ratio, rel_error as _rel, rounding_floor
 
 WINDOW = 3  # consecutive checked steps over the limit before "wrong": one unlucky batch is not a verdict
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """A float tensor's bits as integers (equal bits: untouched, NaN included); other tensors as they are."""
-    if x.is_floating_point():
-        return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-    return x
 
 
 def _row_sq(x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +109,9 @@ class Lockstep:
         given, self.given = self.given, None
         state, self.state = self.state, None
         if state is not None:
-            what = globalstate.changed(state, globalstate.snapshot())
+            what = globalstate.put_back(state)
             if what:
-                globalstate.restore(state)
-                self.global_state = self.global_state or globalstate.describe(what)
+                self.global_state = self.global_state or what
         if not self._due() or given is None or given[0] != step:
             return
         try:
@@ -143,12 +136,11 @@ class Lockstep:
         ctx = {k: self.kernels.context[k] for k in self.contract.context}
         ref_out = as_tuple(self.contract.reference(*inputs, **ctx))
         if live is not None:
-            # Did the candidate write into an input? Bitwise comparison with the copy taken before it ran (NaN-safe
-            # in one kernel per input); device flags, read once at the end.
+            # Did the candidate write into an input? Bit for bit against the copy taken before it ran (bitwise.py:
+            # the probe's rule too); device flags, read once at the end.
             if self.tensor_names is None:
                 self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
-            changed = torch.stack([_bits(a).ne(_bits(b)).any() for a, b in zip(live, inputs)
-                                   if isinstance(a, torch.Tensor)])
+            changed = torch.stack([bitwise.changed(a, b) for a, b in zip(live, inputs) if isinstance(a, torch.Tensor)])
             self.mutation = changed if self.mutation is None else self.mutation | changed
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
         if self.order is not None and self.order.device != cand[0].device:  # once: no copy to the device per step

@@ -73,7 +73,7 @@ ZOO: dict = {
         "attn_softcap", "bad", "cap hard-coded to Gemma-2's 50.0 whatever the recipe's cap",
         "op-level check at the recipe's cap (20) with large logits; correct only at cap 50"),
     "triton_softcap": ZooEntry(
-        "attn_softcap", "good", "Triton row softmax with the cap (tanh from exp), -inf entries excluded", "",
+        "attn_softcap", "good", "Triton row softmax with the cap (float64 tanh from exp, rounded once), -inf entries excluded", "",
         gpu_only=True),
     "triton_softcap_omitted": ZooEntry(
         "attn_softcap", "bad", "Triton row softmax without the cap (identical while |scores| << cap)",

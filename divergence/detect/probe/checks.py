@@ -11,6 +11,7 @@ import math
 import torch
 
 from ...errors import UserError
+from .. import bitwise
 from ..rule import allowed, rel_error as _rel
 from ...slots.contract import Contract
 
@@ -49,11 +50,12 @@ def one_line(e: BaseException, slot: str) -> str:
 
 
 def mutated_inputs(contract: Contract, given: tuple, kept: tuple) -> list:
-    """Inputs the candidate wrote to: `given` went to the candidate, `kept` are untouched copies."""
+    """Inputs the candidate wrote to: `given` went to the candidate, `kept` are untouched copies; bit for bit
+    (bitwise.py, the lockstep check's rule: a NaN written over a 0 or -0.0 over 0.0 is a write)."""
     out = []
     for name, a, b in zip(contract.inputs, given, kept):
-        if isinstance(a, torch.Tensor) and not torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)):
-            n = int((torch.nan_to_num(a) != torch.nan_to_num(b)).sum())
+        if isinstance(a, torch.Tensor) and bool(bitwise.changed(a, b)):
+            n = bitwise.n_changed(a, b)
             out.append(_finding("mutated_input", name, f"candidate wrote to its input {name} "
                                                        f"({n} of {a.numel()} elements changed)"))
     return out

@@ -34,6 +34,7 @@ import torch
 from ...candidates import globalstate
 from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ...errors import CandidateError
+from .. import bitwise
 
 
 @dataclass(frozen=True)
@@ -258,10 +259,9 @@ def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destinatio
         fatal = any(m in str(e) for m in _CUDA_FATAL)
     # A CUDA error the candidate raised (and the probe recorded) leaves the context unusable all the same.
     fatal = fatal or any(m in (f.get("detail") or "") for f in got for m in _CUDA_FATAL)
-    what = globalstate.changed(state, globalstate.snapshot())
-    if what:  # reported, and put back: the next family must not run under the candidate's settings
-        got.append(checks._finding("global_state", None, globalstate.describe(what)))
-        globalstate.restore(state)
+    what = globalstate.put_back(state)  # the next family must not run under the candidate's settings
+    if what:
+        got.append(checks._finding("global_state", None, what))
     conn.send(("done", got, time.perf_counter() - t, fatal))
     return fatal
 
@@ -301,7 +301,7 @@ class _Watch:
         if self.device == "cuda":
             torch.cuda.synchronize()
         for (name, x), was in zip(named, seen):
-            if not torch.equal(x.nan_to_num(), was.nan_to_num()):
+            if bool(bitwise.changed(x, was)):  # bit for bit (bitwise.py): a NaN written over a 0 is a write
                 kind = "output" if name in self.contract.outputs else "input"
                 self.findings.append({"check": "late_write", "output": name, "error": None, "allowed": None,
                                       "detail": f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the "
