@@ -153,6 +153,7 @@ class ABConfig:
     nulls: int = 2  # null arms per optimizer (equally-correct kernels that round differently)
     margin: float = 3.0  # candidate flagged when its distance exceeds margin x the largest null distance ...
     window: int = 3  # ... for this many consecutive compared points
+    lead: int = 5  # ... against the envelope as it stands this many steps later (detect/verdict.ahead: why)
     workers: int = 0  # arms at once: per GPU on CUDA (0 = 4), in all on CPU (0 = one per train.threads cores, <= 4)
     step_timeout_s: float = 120.0  # a step slower than this ends the arm with TIMEOUT
     arm_timeout_s: float = 3600.0  # an arm longer than this ends with TIMEOUT
@@ -271,6 +272,8 @@ def recipe_from_dict(raw: dict, where: str = "recipe:", base: Optional[Path] = N
         raise RecipeError(f"{_j(where)}ab.nulls: at least one null arm is needed to calibrate, got {recipe.ab.nulls}")
     if recipe.ab.margin <= 1.0:
         raise RecipeError(f"{_j(where)}ab.margin: must exceed 1, got {recipe.ab.margin}")
+    if recipe.ab.lead < 0:
+        raise RecipeError(f"{_j(where)}ab.lead: must be >= 0 steps, got {recipe.ab.lead}")
     if recipe.ab.window < 1:
         raise RecipeError(f"{_j(where)}ab.window: must be >= 1, got {recipe.ab.window}")
     return recipe

@@ -280,3 +280,22 @@ def test_calibration_script_keeps_only_the_slots_asked_for():
     assert {"zoo:triton_softcap", "zoo:triton_embed_fp32", "null-4"} <= {c["candidate"] for c in good}
     with pytest.raises(SystemExit, match="unknown slot"):
         candidates(False, 2, 1, ["no_such_slot"])
+
+
+def test_lead_forgives_an_early_burst_but_not_a_lasting_excess():
+    """Correct GPU arms leave the reference in a burst whose onset varies by a few steps (H200, seed 3): with
+    `lead` the envelope is read that many steps later, so an onset 3 steps early is not a finding; a candidate
+    that stays 10x beyond the nulls is flagged with or without it."""
+    steps = np.arange(60)
+
+    def burst(at):  # rounding-level distance, then a jump to O(1) at step `at`
+        return np.where(steps < at, 1e-3 * 1.1 ** steps.clip(max=at), 0.5)
+
+    nulls = [burst(30), burst(31), burst(32)]
+    early = burst(27)
+    flagged = lambda c, lead: V.judge_metric("loss", steps, c, c, nulls, 3.0, 3, lead=lead)["flagged"]
+    assert flagged(early, 0)  # judged step by step: 0.5 against the nulls at ~0.02 before their burst
+    assert not flagged(early, 5)
+    assert flagged(np.maximum(early, 10 * burst(30)), 5)
+    assert V.ahead(np.array([1.0, 2.0, 3.0]), np.array([0, 10, 20]), 5).tolist() == [1.0, 2.0, 3.0]
+    assert V.ahead(np.array([1.0, 2.0, 3.0]), np.array([0, 1, 2]), 1).tolist() == [2.0, 3.0, 3.0]

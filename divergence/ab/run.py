@@ -239,8 +239,9 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         null_d = [compare.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = compare.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
             if cand_st.get("status") == "OK" else {}
-        cal = verdict.calibrate(null_d, recipe.ab.margin, recipe.ab.window)
-        metrics = verdict.judge_arm(cand_d, null_d, cal["margin"], recipe.ab.window) if cand_d else []
+        ab = recipe.ab
+        cal = verdict.calibrate(null_d, ab.margin, ab.window, ab.lead)
+        metrics = verdict.judge_arm(cand_d, null_d, cal["margin"], ab.window, ab.lead) if cand_d else []
         v = verdict.optimizer_verdict(cand_st, metrics)
         v["metrics"] = metrics
         v["calibration"] = cal
@@ -259,7 +260,8 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         "kernel": slot,
         "candidate": {"name": impl.name, "origin": impl.origin, "sha256": impl.sha256},
         "recipe": recipe.to_dict(), "optimizers": per_opt,
-        "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "floors": verdict.FLOORS,
+        "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "lead": recipe.ab.lead,
+                 "floors": verdict.FLOORS,
                  "smooth_steps": smooth, "nulls": recipe.ab.nulls, "widen": verdict.WIDEN,
                  "effect_size": "candidate distance / max(null envelope, floor)"},
         "probe": None if probe is None else {"verdict": probe["verdict"], "findings": len(probe["findings"]),

@@ -137,7 +137,8 @@ def context(res, made: list) -> dict:
                           "lockstep": words.lockstep_sentence(x.get("lockstep"))}
                          for o, x in v.get("optimizers", {}).items()],
         "rule": {"nulls": rule.get("nulls"), "steps": r.get("train", {}).get("steps"), "recipe": r.get("name"),
-                 "margin": f"{rule.get('margin', 3):g}", "window": rule.get("window", 3)},
+                 "margin": f"{rule.get('margin', 3):g}", "window": rule.get("window", 3),
+                 "lead": rule.get("lead", 0)},
         "signals": [{"name": words.SIGNAL_NAMES.get(k, k), "verdict": x.get("verdict"), "reason": x.get("reason")}
                     for k, x in (v.get("signals") or {}).items()],
         "exit_code": v.get("exit_code"),

@@ -211,7 +211,8 @@ def distance_curves(res, path):
             n = min([len(c["dist"])] + [len(x) for x in nulls])
             steps, cand = c["steps"][:n], c["dist"][:n]
             nulls = [x[:n] for x in nulls]
-            env = vrule.envelope(nulls) if nulls else np.zeros(n)
+            lead = res.verdict.get("rule", {}).get("lead", 0)
+            env = vrule.ahead(vrule.envelope(nulls), np.asarray(steps), lead) if nulls else np.zeros(n)
             floor = vrule.floor_for(m)
             limit = margin * env + floor
             lo = _log_floor(cand, env, limit, *nulls, floor=floor)
