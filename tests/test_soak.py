@@ -73,3 +73,12 @@ def test_bad_soak_file(tmp_path, capsys):
     p.write_text("recipe: tiny\ncandidates:\n  - {kernel: fused_embed_rmsnorm}\n")
     assert main(["soak", str(p)]) == 2
     assert "candidates[0]: expected exactly the keys kernel and candidate" in capsys.readouterr().err
+
+
+def test_soak_exit_code_follows_its_cells_exit_codes():
+    from divergence.ab.soak import soak_exit_code
+
+    assert soak_exit_code([0, 0]) == 0
+    assert soak_exit_code([0, 3]) == 3  # weights moved only: a finding, not a pass (was 1, whatever the kind)
+    assert soak_exit_code([2, 3]) == 3 and soak_exit_code([0, 2]) == 2  # INCONCLUSIVE was 1 before
+    assert soak_exit_code([3, 2, 1, 0]) == 1

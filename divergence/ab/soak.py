@@ -140,9 +140,17 @@ def cmd_soak(args, publish=None) -> int:
         publish.log_soak_table(out, rows, meta)
     _write_csv(out / "soak.csv", rows)
     _print_rows(rows, opts)
-    if any(r["verdict"] == "ERROR" for r in rows):
-        return 2
-    return 0 if all(r["verdict"] == "PASS" for r in rows) else 1
+    return soak_exit_code([r["exit_code"] for r in rows])
+
+
+def soak_exit_code(codes: list) -> int:
+    """One exit code for a soak from its cells' (detect/verdict.exit_code): a finding outranks a missing judgement,
+    and the stronger finding the weaker: 1 (wrong, harms training, NaN/crash/hang) over 3 (weights or gradients
+    moved only) over 2 (ERROR or INCONCLUSIVE: not judged) over 0."""
+    for code in (1, 3, 2):
+        if code in codes:
+            return code
+    return 0
 
 
 def _resumed(args) -> tuple:
@@ -251,7 +259,7 @@ def _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran: set)
         if publish and not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
             logged += publish.log_cell(cell_dir, result, label, seed, out.name)
         rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
-                     "verdict": result["verdict"], "case": result["case"],
+                     "verdict": result["verdict"], "case": result["case"], "exit_code": result["exit_code"],
                      **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})
     return rows, logged
 
