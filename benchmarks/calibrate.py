@@ -126,10 +126,18 @@ def _combine(outs: list) -> int:
             raise SystemExit(f"calibrate: --combine: {out} is not a calibration folder (no bad.json)")
         bads |= set(json.loads((out / "bad.json").read_text()))
         cells += _cells(out)
-    goods = [c for c in cells if c[1] not in bads]
-    summary, fp, missed = _report(cells, goods, [c for c in cells if c[1] in bads])
-    print(f"\n{len(cells)} A/Bs from {len(outs)} calibration folder(s)")
-    return 0 if not fp and not missed and not summary["errors"] else 1
+    rules = {}  # cells judged under different rules (nulls, margin, window, lead) are never pooled
+    for c in cells:
+        r = c[3].get("rule") or {}
+        rules.setdefault(tuple(r.get(k) for k in ("nulls", "margin", "window", "lead")), []).append(c)
+    ok = True
+    for (nulls, margin, window, lead), group in rules.items():
+        print(f"\n== rule: {nulls} nulls, margin {margin}, window {window}, lead {lead}: {len(group)} A/Bs")
+        goods = [c for c in group if c[1] not in bads]
+        summary, fp, missed = _report(group, goods, [c for c in group if c[1] in bads])
+        ok &= not fp and not missed and not summary["errors"]
+    print(f"\n{len(cells)} A/Bs from {len(outs)} calibration folder(s), {len(rules)} rule(s)")
+    return 0 if ok else 1
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -299,3 +299,15 @@ def test_lead_forgives_an_early_burst_but_not_a_lasting_excess():
     assert flagged(np.maximum(early, 10 * burst(30)), 5)
     assert V.ahead(np.array([1.0, 2.0, 3.0]), np.array([0, 10, 20]), 5).tolist() == [1.0, 2.0, 3.0]
     assert V.ahead(np.array([1.0, 2.0, 3.0]), np.array([0, 1, 2]), 1).tolist() == [2.0, 3.0, 3.0]
+
+
+def test_leave_one_out_calibration_reads_the_envelope_with_the_same_lead():
+    """Nulls whose bursts start a few steps apart: step by step the early one is 'too far' from the others and the
+    margin is widened; with the lead the calibration sees what the candidate's judgement sees, and keeps it."""
+    steps = np.arange(60)
+    burst = lambda at: {"loss": {"steps": steps, "dist": np.where(steps < at, 1e-3 * 1.1 ** steps, 0.5),
+                                 "signed": np.zeros(60)}}
+    nulls = [burst(27), burst(31), burst(32), burst(30)]
+    assert V.calibrate(nulls, 3.0, 3)["widened"]
+    cal = V.calibrate(nulls, 3.0, 3, lead=5)
+    assert not cal["widened"] and cal["margin"] == 3.0

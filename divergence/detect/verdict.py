@@ -3,7 +3,9 @@
 For each metric, the null envelope at point t is the largest distance any null arm reached from the reference up
 to t (a running maximum: chaos only grows). The candidate leaves the envelope at t when
 
-    d_candidate(t) > margin * envelope(t) + floor(metric)
+    d_candidate(t) > margin * envelope(t + lead) + floor(metric)
+
+(`ahead`: the envelope as it stands `lead` steps later, recipe ab.lead; 0 reads it at t).
 
 and it is flagged when that holds for `window` consecutive compared points. The floor keeps the very first steps,
 where every null is still bitwise equal to the reference, from turning rounding noise into a finding.

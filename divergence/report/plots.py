@@ -216,7 +216,7 @@ def distance_curves(res, path):
             floor = vrule.floor_for(m)
             limit = margin * env + floor
             lo = _log_floor(cand, env, limit, *nulls, floor=floor)
-            ax.fill_between(steps, lo, _clip(env, lo), color=ENV, lw=0, label="null envelope (largest null so far)")
+            ax.fill_between(steps, lo, _clip(env, lo), color=ENV, lw=0, label="null envelope (largest null so far" + (f", {lead} steps ahead)" if lead else ")"))
             for k, x in enumerate(nulls):
                 ax.plot(steps, _clip(x, lo), color=NULL, lw=0.8, label="null arms" if k == 0 else None)
             ax.plot(steps, _clip(limit, lo), color=LIMIT, ls="--", lw=1.2,

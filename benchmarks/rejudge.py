@@ -1,0 +1,151 @@
+"""Re-judge finished calibration runs under another rule, from their distances: no training.
+
+    python benchmarks/rejudge.py dump SOAK_DIR OUT.json.gz        # every arm's distances from its reference
+    python benchmarks/rejudge.py judge DUMP.json.gz... [--nulls K] [--lead L] [--margin M] [--resample N]
+
+`dump` reads a calibration's soak folder (benchmarks/calibrate.py's OUT/soak: arms with metrics, snapshots and
+evaluations) and writes, per arm, the distances the verdict judges (detect/distances): a few MB per seed, where the
+arms themselves are GBs. `judge` takes dumps (several seeds) and judges every known-good candidate:
+- with its own null arms null-1..K of the run (the rule as `divergence ab` applies it: leave-one-out calibration,
+  margin, window, lead), printing each cell and the count of A/Bs with any finding;
+- with --resample N, also each correct arm of a seed (every candidate but the known-bad ones, and every null) as
+  the candidate against N random K-subsets of the other correct arms: more judgements from the same runs (they
+  share arms, so they are not independent trials).
+The dumps of the 2026-11-23 H200 calibration (README.md, "Calibration on the H200") are in
+benchmarks/calibration/h200-20261123/; the README's table rows come from:
+    python benchmarks/rejudge.py judge benchmarks/calibration/h200-20261123/*.json.gz --nulls 2 --lead 0
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from divergence.detect import verdict as V  # noqa: E402
+
+BAD = ("zoo:triton_embed_bf16", "zoo:triton_softcap_omitted", "zoo:embed_bf16_accum", "zoo:softcap_omitted")
+
+
+def _arrays(arm: dict) -> dict:
+    return {m: {k: np.asarray(v[k]) for k in v} for m, v in arm.items()}
+
+
+def load_dumps(paths) -> dict:
+    arms = {}
+    for p in paths:
+        with gzip.open(p, "rt") as f:
+            arms.update(json.load(f))
+    return {k: _arrays(v) for k, v in arms.items()}
+
+
+def judge_one(arms: dict, seed: str, cand: str, nulls: list, opts: list, rule) -> tuple:
+    """(any finding, [(optimizer, largest critical margin, margin used)]) of one candidate against `nulls`."""
+    found, detail = False, []
+    for o in opts:
+        ns = [arms[f"{seed}/{o}/{n}"] for n in nulls]
+        cal = V.calibrate(ns, rule.margin, rule.window, rule.lead)
+        res = V.judge_arm(arms[f"{seed}/{o}/{cand}"], ns, cal["margin"], rule.window, rule.lead)
+        found |= any(r["flagged"] for r in res)
+        detail.append((o, max((r["critical_margin"] or 0.0) for r in res), cal["margin"]))
+    return found, detail
+
+
+def judge(args) -> int:
+    arms = load_dumps(args.dumps)
+    seeds = sorted({k.split("/")[0] for k in arms})
+    n = fp = 0
+    worst = []
+    for s in seeds:
+        opts = sorted({k.split("/")[1] for k in arms if k.startswith(s + "/")})
+        names = sorted({k.split("/", 2)[2] for k in arms if k.startswith(s + "/")})
+        own = [f"null-{j}" for j in range(1, args.nulls + 1)]
+        for c in (x for x in names if x.startswith("cand:")):
+            found, detail = judge_one(arms, s, c, own, opts, args)
+            bad = c[5:] in BAD
+            print(f"{s} {c[5:]:<28} {'known-bad' if bad else 'known-good'}: {'FINDING' if found else 'pass'}  "
+                  + ", ".join(f"{o} {m:.2f} (margin {mm:.2f})" for o, m, mm in detail))
+            if not bad:
+                n, fp = n + 1, fp + found
+                worst += [(m, s, o, c[5:]) for o, m, _ in detail]
+    print(f"\nrule: {args.nulls} nulls, margin {args.margin:g}, window {args.window}, lead {args.lead}: "
+          f"{fp} of {n} known-good A/Bs with a finding")
+    if worst:
+        m, s, o, c = max(worst)
+        print(f"largest statistic of a known-good candidate: {m:.2f} ({s}, {o}, {c})")
+    if args.resample:
+        _resample(arms, seeds, args)
+    return 0
+
+
+def _resample(arms: dict, seeds: list, args):
+    rng = np.random.default_rng(0)
+    n = fp = 0
+    for s in seeds:
+        opts = sorted({k.split("/")[1] for k in arms if k.startswith(s + "/")})
+        good = sorted({k.split("/", 2)[2] for k in arms if k.startswith(s + "/")} - {f"cand:{b}" for b in BAD})
+        for c in good:
+            subsets = list(itertools.combinations([x for x in good if x != c], args.nulls))
+            for i in rng.choice(len(subsets), size=min(args.resample, len(subsets)), replace=False):
+                found, _ = judge_one(arms, s, c, list(subsets[i]), opts, args)
+                n, fp = n + 1, fp + found
+    print(f"resampled: {fp} of {n} judgements of a correct arm against {args.nulls} other correct arms flagged")
+
+
+def dump(args) -> int:
+    from divergence.detect.buckets import bucket_rows
+    from divergence.detect.distances import ArmFiles
+    from divergence.data import load_corpus
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import model_vocab
+
+    out, files, ctx = {}, ArmFiles(), None
+    for plan_f in sorted(Path(args.soak).rglob("plan.json")):
+        cell, plan = plan_f.parent, json.loads(plan_f.read_text())
+        if not (cell / "verdict.json").exists():
+            continue
+        if ctx is None:  # one recipe per calibration: corpus, buckets and smoothing once
+            rec = load_recipe(plan["recipe_path"], plan.get("overrides") or {})
+            corpus = load_corpus(rec.data)
+            ctx = (bucket_rows(corpus.rank, model_vocab(rec, corpus)), max(1, rec.train.steps // 50))
+        seed = plan.get("overrides", {}).get("seed")
+        for opt_dir in sorted(p for p in cell.iterdir() if (p / "reference").is_dir()):
+            for arm in sorted(a for a in opt_dir.iterdir() if a.is_dir() and a.name != "reference"):
+                who = arm.name if arm.name.startswith("null-") else f"cand:{plan.get('candidate')}"
+                key = f"seed-{seed}/{opt_dir.name}/{who}"
+                if key not in out and (arm / "metrics.jsonl").exists():
+                    d = files.distances(opt_dir / "reference", arm, *ctx)
+                    out[key] = {m: {k: [float(x) for x in v[k]] for k in ("steps", "dist", "signed")}
+                                for m, v in d.items() if not m.startswith("_")}
+    with gzip.open(args.out, "wt") as f:
+        json.dump(out, f)
+    print(f"dumped {len(out)} arms to {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="a calibration soak folder's distances to one file")
+    d.add_argument("soak")
+    d.add_argument("out")
+    j = sub.add_parser("judge", help="judge dumped runs under a rule")
+    j.add_argument("dumps", nargs="+")
+    j.add_argument("--nulls", type=int, default=4)
+    j.add_argument("--margin", type=float, default=3.0)
+    j.add_argument("--window", type=int, default=3)
+    j.add_argument("--lead", type=int, default=5)
+    j.add_argument("--resample", type=int, default=0, metavar="N", help="also N random null subsets per correct arm")
+    a = ap.parse_args(argv)
+    return dump(a) if a.cmd == "dump" else judge(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
