@@ -207,10 +207,10 @@ def distance_curves(res, path):
                 _empty(ax, f"{opt}: {fam}\n{why}")
                 continue
             c = cand_d[m]
-            nulls = [d[m]["dist"] for n, d in dists.items() if n.startswith("null-") and m in d]
-            n = min([len(c["dist"])] + [len(x) for x in nulls])
-            steps, cand = c["steps"][:n], c["dist"][:n]
-            nulls = [x[:n] for x in nulls]
+            # Matched by step, as the verdict matches them (detect/verdict.align), not by index.
+            steps, cand, _, nulls = vrule.align(c["steps"], c["dist"], c["signed"], [
+                (d[m]["steps"], d[m]["dist"]) for name, d in dists.items() if name.startswith("null-") and m in d])
+            n = len(steps)
             lead = res.verdict.get("rule", {}).get("lead", 0)
             env = vrule.ahead(vrule.envelope(nulls), np.asarray(steps), lead) if nulls else np.zeros(n)
             floor = vrule.floor_for(m)
