@@ -34,6 +34,20 @@ def pytest_sessionstart(session):
     REAL_TEXT = _real_text()
     if REAL_TEXT is None:
         os.environ.setdefault(FALLBACK_VAR, "synthetic")
+    if session.config.pluginmanager.hasplugin("dsession"):  # pytest-xdist's controller, before its workers start
+        _prepare_tiny_corpus()
+
+
+def _prepare_tiny_corpus():
+    """The tiny recipe's tokenizer and token ids, made once here rather than by both workers at once (a fresh
+    clone trains its BPE tokenizer: 3 s; the cache's atomic writes would make a race safe, not free)."""
+    from divergence.data import load_corpus
+    from divergence.recipe import load_recipe
+
+    try:
+        load_corpus(load_recipe("tiny").data)
+    except Exception:  # the tests that need it say why
+        pass
 
 
 def pytest_report_header(config):
@@ -45,8 +59,18 @@ def pytest_report_header(config):
             f"{os.environ.get(FALLBACK_VAR)}); tests marked real_text skip")
 
 
+# The files that take longest (seconds, 2026-11-23, 2-core CPU machine, torch 2.13 CPU, shared with other work),
+# run first: pytest-xdist's `--dist loadfile` hands files out in collection order, and the longest last left one
+# worker alone for a minute at the end.
+LONGEST_FIRST = ("test_soak_ray.py", "test_faults.py", "test_hostile.py", "test_soak.py", "test_probe.py",
+                 "test_ab.py", "test_bench.py", "test_shapes.py", "test_share.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly on machines without CUDA (CI never has one); real-text tests without real text."""
+    """Longest files first (above); GPU tests skip cleanly on machines without CUDA (CI never has one); real-text
+    tests without real text."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     no_text = pytest.mark.skip(reason="needs real text (WikiText-2 under $DIVERGENCE_DATA, ../shared/data or "
                                       "data/text); found none, the rest ran on synthetic text")
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -71,24 +71,25 @@ def test_nan_candidate_gets_nan_verdict_with_step(tmp_path):
 
 def test_killed_run_resumes_to_the_same_verdict(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # tiny at 16 steps under SGD (bf16 is flagged by then, test_hostile's SIGKILL twin shows it; the optimizers
+    # change nothing in resuming); the uncut run in this process: only the one stopped with SIGTERM needs its own
     cmd = [sys.executable, "-m", "divergence.cli", "ab", "--kernel", "fused_embed_rmsnorm", "--recipe", "tiny",
-           "--optimizers", "sgd,adamw", "--no-wandb", "--no-probe", "--candidate", "zoo:embed_bf16_accum"]
-    full = subprocess.run(cmd + ["--out", str(tmp_path / "full")], cwd=REPO, env=env, capture_output=True, text=True)
-    assert full.returncode == 1, full.stderr[-2000:]
+           "--set", "train.steps=16", "--optimizers", "sgd", "--no-wandb", "--no-probe",
+           "--candidate", "zoo:embed_bf16_accum"]
+    assert main(cmd[3:] + ["--out", str(tmp_path / "full")]) == 1
     p = subprocess.Popen(cmd + ["--out", str(tmp_path / "cut")], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     for line in p.stdout:  # kill it once a few arms have finished
-        if "[3/8]" in line:
+        if "[2/4]" in line:
             p.send_signal(signal.SIGTERM)
             break
     assert p.wait(60) == 130
     done = [a for a in (tmp_path / "cut").glob("*/*/arm.json") if json.loads(a.read_text())["status"] == "OK"]
-    assert 3 <= len(done) < 8 and not (tmp_path / "cut" / "verdict.json").exists()
+    assert 2 <= len(done) < 4 and not (tmp_path / "cut" / "verdict.json").exists()
     assert main(["ab", "--resume", str(tmp_path / "cut"), "--no-wandb", "--no-probe"]) == 1
     a, b = verdict(tmp_path / "full"), verdict(tmp_path / "cut")
     assert a["verdict"] == b["verdict"]
-    for opt in ("sgd", "adamw"):
-        assert a["optimizers"][opt]["verdict"] == b["optimizers"][opt]["verdict"]
-        assert a["optimizers"][opt].get("first_step") == b["optimizers"][opt].get("first_step")
+    assert a["optimizers"]["sgd"]["verdict"] == b["optimizers"]["sgd"]["verdict"] != "PASS"
+    assert a["optimizers"]["sgd"].get("first_step") == b["optimizers"]["sgd"].get("first_step")
 
 
 PATCHERS = {  # what the candidate patches: (module, attribute, its body, what the refusal must say)
