@@ -82,6 +82,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def arms_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("arms-cache")
+
+
+@pytest.fixture
+def shared_arms(arms_cache_dir, monkeypatch):
+    """One arms cache (ab/share.py) for the tests that ask for it: an A/B whose reference and null arms another test
+    already trained (same recipe, slot and optimizer) trains only its candidate arm. CPU arms are bitwise
+    repeatable (tests/test_share.py), so the verdicts are those of fresh arms. Not for tests about the harness arms
+    themselves (that they finish beside a hanging or crashing candidate)."""
+    monkeypatch.setenv("DIVERGENCE_ARMS_CACHE", str(arms_cache_dir))
+    return arms_cache_dir
+
+
+@pytest.fixture(scope="session")
 def tiny():
     from divergence.recipe import load_recipe
 

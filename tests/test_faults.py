@@ -55,14 +55,14 @@ def test_os_exit_is_crash_with_text(tmp_path):
     assert v["arms"]["sgd/reference"]["status"] == "OK"
 
 
-def test_segfault_is_crash(tmp_path):
+def test_segfault_is_crash(tmp_path, shared_arms):
     cand = write(tmp_path, "segv.py", "import ctypes\ndef run(gate, up):\n    ctypes.string_at(0)\n")
     assert ab(tmp_path / "r", cand) == 1
     v = verdict(tmp_path / "r")
     assert v["verdict"] == "CRASH" and "signal 11" in v["optimizers"]["sgd"]["detail"]
 
 
-def test_nan_candidate_gets_nan_verdict_with_step(tmp_path):
+def test_nan_candidate_gets_nan_verdict_with_step(tmp_path, shared_arms):
     cand = write(tmp_path, "nan.py", "def run(gate, up):\n    return reference(gate, up) * float('nan')\n")
     assert ab(tmp_path / "r", cand) == 1
     sgd = verdict(tmp_path / "r")["optimizers"]["sgd"]
@@ -113,7 +113,7 @@ def test_candidate_patching_torch_or_the_harness_is_refused(what, tmp_path, caps
         assert words in err, err
 
 
-def test_candidate_mutating_its_inputs_is_flagged(tmp_path, capsys):
+def test_candidate_mutating_its_inputs_is_flagged(tmp_path, capsys, shared_arms):
     """Right outputs, then `up` halved in place: the lockstep check names the input it wrote to, and the verdict
     says so first (the A/B also sees what it does: the backward reads the halved `up`, the MLP gradients shrink)."""
     cand = write(tmp_path, "mut.py", "def run(gate, up):\n    out = reference(gate, up)\n"
@@ -161,7 +161,7 @@ def test_vocabulary_smaller_than_tokenizer_is_one_line(tmp_path, capsys):
     assert "model.vocab_size: 300 is smaller than the tokenizer's vocabulary (1024)" in err
 
 
-def test_processes_a_candidate_leaves_behind_are_ended(tmp_path):
+def test_processes_a_candidate_leaves_behind_are_ended(tmp_path, shared_arms):
     """A candidate that starts a long-lived process: its arm still finishes, and the leftover process (in the
     arm's process group) is killed once the arm is done, not left running after the A/B."""
     pids = tmp_path / "pids.txt"
