@@ -26,16 +26,18 @@ setup:
 	.venv/bin/pip install -q -e '.[$(EXTRAS)]' -c .venv/constraints.txt
 	@$(PY) -c 'import torch, lightning, divergence; print(f"divergence ready: torch {torch.__version__}, lightning {lightning.__version__}")'
 
-# pytest-xdist workers, each file given whole to one (its module fixtures, e.g. one A/B run, are made once):
-# 2 on the 2-core machine took `make test` from 10 min 8 s to 6 min 51 s (2026-11-23, other work beside it).
-# TEST_JOBS=0 runs in this one process.
+# pytest-xdist workers, each file given whole to one (its module fixtures, e.g. one A/B run, are made once), in
+# the order tests/conftest.py puts them (longest first; xdist's own reorders by test count): 2 on the 2-core
+# machine took `make test` from 10 min 8 s to 6 min 51 s (2026-11-23, other work beside it, before this round's
+# other cuts); 3 were no faster there. TEST_JOBS=0 runs in this one process.
 TEST_JOBS ?= 2
+XDIST = -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test:
-	$(PY) -m pytest -q -x -n $(TEST_JOBS) --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -x $(XDIST) -m "not slow" tests
 
 test-all:
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 train:
 	$(PY) -m divergence.cli train --recipe $(or $(RECIPE),small) $(ARGS)

@@ -59,11 +59,11 @@ def pytest_report_header(config):
             f"{os.environ.get(FALLBACK_VAR)}); tests marked real_text skip")
 
 
-# The files that take longest (seconds, 2026-11-23, 2-core CPU machine, torch 2.13 CPU, shared with other work),
-# run first: pytest-xdist's `--dist loadfile` hands files out in collection order, and the longest last left one
-# worker alone for a minute at the end.
-LONGEST_FIRST = ("test_soak_ray.py", "test_faults.py", "test_hostile.py", "test_soak.py", "test_probe.py",
-                 "test_ab.py", "test_bench.py", "test_shapes.py", "test_share.py")
+# The files that take longest, first (about 80, 60, 45, 40 and 30 s down to 15 s under two pytest-xdist workers,
+# 2026-11-23, 2-core CPU machine, torch 2.13 CPU): `--dist loadfile --no-loadscope-reorder` (Makefile) hands files
+# out in this order, so no long file is left to one worker at the end while the other idles.
+LONGEST_FIRST = ("test_probe.py", "test_hostile.py", "test_soak_ray.py", "test_faults.py", "test_soak.py",
+                 "test_lockstep.py", "test_shapes.py", "test_share.py", "test_ab.py", "test_report.py")
 
 
 def pytest_collection_modifyitems(config, items):
