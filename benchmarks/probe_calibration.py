@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from divergence.detect.probe import inputs as probe_inputs  # noqa: E402
 from divergence.detect.probe import run_probe  # noqa: E402
+from divergence.detect.probe.call import Prepared  # noqa: E402
 from divergence.detect.probe.run import device_from_flag  # noqa: E402
 from divergence.slots import SLOTS  # noqa: E402
 from divergence.zoo import ZOO, has_triton  # noqa: E402
@@ -66,13 +67,15 @@ def main(argv=None) -> int:
         jobs += [(f"{s}/{c}", s, c, "good") for s in SLOTS for c in ("reference", "null-1", "null-2")]
 
     rows, ok_all, t_all = [], True, time.perf_counter()
+    prepared = Prepared()  # one seed for every probe: each family's inputs and oracle are built once per slot
     for name, slot, spec, want in jobs:
         synthetic = None
         if want == "bad":
             fams = [f.name for f in probe_inputs.families(slot, device)[0]]
             synthetic = run_probe(slot, spec, out / name / "synthetic", seed=a.seed, device=device, only=fams,
-                                  recipe=a.recipe)
-        res = run_probe(slot, spec, out / name / "all", seed=a.seed, device=device, recipe=a.recipe)
+                                  recipe=a.recipe, prepared=prepared)
+        res = run_probe(slot, spec, out / name / "all", seed=a.seed, device=device, recipe=a.recipe,
+                        prepared=prepared)
         for n in (synthetic or {"notes": []})["notes"] + res["notes"]:  # the first of the two may have captured
             if n.startswith("captured"):
                 print(f"note ({slot}): {n}", flush=True)

@@ -121,13 +121,15 @@ def _add_probe(sub):
 
 
 def cmd_report(args) -> int:
+    from .detect.distances import ArmFiles
     from .report import write_report
 
-    print(f"report: {write_report(args.results_dir)}")
+    files = ArmFiles()  # the page's distances serve the wandb runs
+    print(f"report: {write_report(args.results_dir, files)}")
     if args.wandb:
         from .report.wandb import log_ab
 
-        log_ab(args.results_dir)
+        log_ab(args.results_dir, files=files)
     return EXIT_PASS
 
 

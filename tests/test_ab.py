@@ -21,9 +21,11 @@ def ab(out, *extra):
 
 
 @pytest.fixture(scope="module")
-def bf16_run(tmp_path_factory):
+def bf16_run(tmp_path_factory, arms_cache_dir):
     out = tmp_path_factory.mktemp("ab") / "bf16"
-    code = ab(out, "--candidate", "zoo:embed_bf16_accum")
+    with pytest.MonkeyPatch.context() as mp:  # its harness arms serve the known-good runs below (shared_arms)
+        mp.setenv("DIVERGENCE_ARMS_CACHE", str(arms_cache_dir))
+        code = ab(out, "--candidate", "zoo:embed_bf16_accum")
     return code, out, json.loads((out / "verdict.json").read_text())
 
 
@@ -82,7 +84,7 @@ def test_nulls_differ_from_reference_and_stay_within_each_other(bf16_run, tiny_c
 
 
 @pytest.mark.parametrize("name", GOOD)
-def test_known_good_kernels_pass(tmp_path, name):
+def test_known_good_kernels_pass(tmp_path, name, shared_arms):
     code = ab(tmp_path / name, "--candidate", f"zoo:{name}")
     v = json.loads((tmp_path / name / "verdict.json").read_text())
     assert code == 0, v["optimizers"]["sgd"].get("detail")
@@ -141,6 +143,7 @@ def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
     tail = buckets["tail"]
     other = tail.copy()
     other[-1] = buckets["top-10"][0]  # the most frequent row in place of the rarest: same size, same first rows
-    a = compare.distances(ref, arm, {"b": tail}, 1)["drift/b"]["dist"]
-    b = compare.distances(ref, arm, {"b": other}, 1)["drift/b"]["dist"]
+    files = compare.ArmFiles()  # one run's memo, asked for both
+    a = files.distances(ref, arm, {"b": tail}, 1)["drift/b"]["dist"]
+    b = files.distances(ref, arm, {"b": other}, 1)["drift/b"]["dist"]
     assert not np.array_equal(a, b)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ from divergence.recipe import REPO_ROOT, load_recipe
 
 BENCH = REPO_ROOT / "benchmarks" / "bench.py"  # a tool of the source tree, not of the installed package
 sys.path.insert(0, str(BENCH.parent))
+import bench  # noqa: E402
 from bench import BareTransformer, harness_weights, model_flops_per_step  # noqa: E402
 
 KEYS = {"schema", "recipe", "recipe_path", "created", "env", "precision", "shape", "optimizer", "peak_tflops",
@@ -42,13 +42,26 @@ def test_bare_model_computes_the_harness_loss_from_the_same_weights():
     assert torch.allclose(bare(x, y), ref(x, y)[1], rtol=1e-6, atol=0)
 
 
-def test_bench_runs_on_cpu_with_the_tiny_recipe(tmp_path):
+@pytest.fixture
+def run_bench(capsys):
+    """`make bench ARGS=...` in this process (bench.main; the script adds nothing but the interpreter's start):
+    (exit code, stdout, stderr). The bench sets torch's thread count for its loops: put back afterwards."""
+    threads = torch.get_num_threads()
+
+    def run(*args):
+        code = bench.main(list(args))
+        said = capsys.readouterr()
+        return code, said.out, said.err
+
+    yield run
+    torch.set_num_threads(threads)
+
+
+def test_bench_runs_on_cpu_with_the_tiny_recipe(tmp_path, run_bench):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(BENCH), "--recipe", "tiny", "--steps", "4", "--out", str(out),
-           "--workdir", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "harness vs bare" in res.stdout and "loss at step 0" in res.stdout
+    code, stdout, stderr = run_bench("--recipe", "tiny", "--steps", "4", "--out", str(out), "--workdir", str(tmp_path))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "harness vs bare" in stdout and "loss at step 0" in stdout
     r = json.loads(out.read_text())
     assert set(r) >= KEYS
     assert r["recipe"] == "tiny" and r["env"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,19 +79,19 @@ def test_bench_runs_on_cpu_with_the_tiny_recipe(tmp_path):
     assert list(tmp_path.iterdir()) == [out]  # the arms' folders are cleaned up
 
 
-def test_bench_compares_like_with_like_under_compile(tmp_path):
+def test_bench_compares_like_with_like_under_compile(tmp_path, run_bench):
     """With --compile the bare loop is timed eager and compiled; vs_bare is against the compiled one."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(BENCH), "--recipe", "tiny", "--steps", "4", "--compile", "aot_eager",
-           "--no-lockstep", "--out", str(out), "--workdir", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    args = ["--recipe", "tiny", "--steps", "4", "--compile", "aot_eager", "--no-lockstep", "--out", str(out),
+            "--workdir", str(tmp_path)]
+    code, stdout, stderr = run_bench(*args)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["compile"] == "aot_eager" and r["bare"]["compile"] is None and r["bare_compiled"]["compile"] == "aot_eager"
     h = r["harness"]
     assert h["vs_bare"] == pytest.approx(r["bare_compiled"]["ms_per_step"] / h["ms_per_step"])
     assert h["vs_bare_eager"] == pytest.approx(r["bare"]["ms_per_step"] / h["ms_per_step"])
-    assert "compiled bare loop" in res.stdout and "torch.compile (aot_eager)" in res.stdout
+    assert "compiled bare loop" in stdout and "torch.compile (aot_eager)" in stdout
     assert r["bare_compiled"]["loss_step0"] == pytest.approx(r["bare"]["loss_step0"], rel=1e-5)
-    bad = subprocess.run(cmd[:4] + ["--compile", "turbo"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "compile: unknown backend 'turbo'" in bad.stderr
+    code, _, stderr = run_bench("--recipe", "tiny", "--compile", "turbo")
+    assert code == 2 and "compile: unknown backend 'turbo'" in stderr

@@ -55,14 +55,14 @@ def test_os_exit_is_crash_with_text(tmp_path):
     assert v["arms"]["sgd/reference"]["status"] == "OK"
 
 
-def test_segfault_is_crash(tmp_path):
+def test_segfault_is_crash(tmp_path, shared_arms):
     cand = write(tmp_path, "segv.py", "import ctypes\ndef run(gate, up):\n    ctypes.string_at(0)\n")
     assert ab(tmp_path / "r", cand) == 1
     v = verdict(tmp_path / "r")
     assert v["verdict"] == "CRASH" and "signal 11" in v["optimizers"]["sgd"]["detail"]
 
 
-def test_nan_candidate_gets_nan_verdict_with_step(tmp_path):
+def test_nan_candidate_gets_nan_verdict_with_step(tmp_path, shared_arms):
     cand = write(tmp_path, "nan.py", "def run(gate, up):\n    return reference(gate, up) * float('nan')\n")
     assert ab(tmp_path / "r", cand) == 1
     sgd = verdict(tmp_path / "r")["optimizers"]["sgd"]
@@ -71,24 +71,25 @@ def test_nan_candidate_gets_nan_verdict_with_step(tmp_path):
 
 def test_killed_run_resumes_to_the_same_verdict(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # tiny at 16 steps under SGD (bf16 is flagged by then, test_hostile's SIGKILL twin shows it; the optimizers
+    # change nothing in resuming); the uncut run in this process: only the one stopped with SIGTERM needs its own
     cmd = [sys.executable, "-m", "divergence.cli", "ab", "--kernel", "fused_embed_rmsnorm", "--recipe", "tiny",
-           "--optimizers", "sgd,adamw", "--no-wandb", "--no-probe", "--candidate", "zoo:embed_bf16_accum"]
-    full = subprocess.run(cmd + ["--out", str(tmp_path / "full")], cwd=REPO, env=env, capture_output=True, text=True)
-    assert full.returncode == 1, full.stderr[-2000:]
+           "--set", "train.steps=16", "--optimizers", "sgd", "--no-wandb", "--no-probe",
+           "--candidate", "zoo:embed_bf16_accum"]
+    assert main(cmd[3:] + ["--out", str(tmp_path / "full")]) == 1
     p = subprocess.Popen(cmd + ["--out", str(tmp_path / "cut")], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     for line in p.stdout:  # kill it once a few arms have finished
-        if "[3/8]" in line:
+        if "[2/4]" in line:
             p.send_signal(signal.SIGTERM)
             break
     assert p.wait(60) == 130
     done = [a for a in (tmp_path / "cut").glob("*/*/arm.json") if json.loads(a.read_text())["status"] == "OK"]
-    assert 3 <= len(done) < 8 and not (tmp_path / "cut" / "verdict.json").exists()
+    assert 2 <= len(done) < 4 and not (tmp_path / "cut" / "verdict.json").exists()
     assert main(["ab", "--resume", str(tmp_path / "cut"), "--no-wandb", "--no-probe"]) == 1
     a, b = verdict(tmp_path / "full"), verdict(tmp_path / "cut")
     assert a["verdict"] == b["verdict"]
-    for opt in ("sgd", "adamw"):
-        assert a["optimizers"][opt]["verdict"] == b["optimizers"][opt]["verdict"]
-        assert a["optimizers"][opt].get("first_step") == b["optimizers"][opt].get("first_step")
+    assert a["optimizers"]["sgd"]["verdict"] == b["optimizers"]["sgd"]["verdict"] != "PASS"
+    assert a["optimizers"]["sgd"].get("first_step") == b["optimizers"]["sgd"].get("first_step")
 
 
 PATCHERS = {  # what the candidate patches: (module, attribute, its body, what the refusal must say)
@@ -112,7 +113,7 @@ def test_candidate_patching_torch_or_the_harness_is_refused(what, tmp_path, caps
         assert words in err, err
 
 
-def test_candidate_mutating_its_inputs_is_flagged(tmp_path, capsys):
+def test_candidate_mutating_its_inputs_is_flagged(tmp_path, capsys, shared_arms):
     """Right outputs, then `up` halved in place: the lockstep check names the input it wrote to, and the verdict
     says so first (the A/B also sees what it does: the backward reads the halved `up`, the MLP gradients shrink)."""
     cand = write(tmp_path, "mut.py", "def run(gate, up):\n    out = reference(gate, up)\n"
@@ -160,7 +161,7 @@ def test_vocabulary_smaller_than_tokenizer_is_one_line(tmp_path, capsys):
     assert "model.vocab_size: 300 is smaller than the tokenizer's vocabulary (1024)" in err
 
 
-def test_processes_a_candidate_leaves_behind_are_ended(tmp_path):
+def test_processes_a_candidate_leaves_behind_are_ended(tmp_path, shared_arms):
     """A candidate that starts a long-lived process: its arm still finishes, and the leftover process (in the
     arm's process group) is killed once the arm is done, not left running after the A/B."""
     pids = tmp_path / "pids.txt"

@@ -273,7 +273,9 @@ def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path):
     spec.write_text(textwrap.dedent("""\
         import os, time
         def run(gate, up):
-            open(os.environ["PIDFILE"], "w").write(str(os.getpid()))
+            with open(os.environ["PIDFILE"] + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])  # never seen empty (it was, under load)
             while True:
                 time.sleep(0.05)
     """))

@@ -63,7 +63,12 @@ def families_with(res, checks=None) -> set:
     return out
 
 
+# One Prepared for this module's probes: most share a seed, so each family's inputs and oracle are built once.
+PREPARED = probe_call.Prepared()
+
+
 def probe(slot, spec, tmp_path, seed=SEEDS[0], **kw):
+    kw.setdefault("prepared", PREPARED)
     res = run_probe(slot, spec, tmp_path / "probe", seed=seed, **kw)
     for f in res["findings"]:
         assert FINDING_KEYS <= set(f), f
@@ -248,8 +253,9 @@ def test_json_and_result_agree(tmp_path):
 
 def test_same_seed_same_findings_and_fresh_seeds_differ(tmp_path):
     a = probe("rope", "zoo:rope_table_thetas", tmp_path, seed=123, only=["theta-1234.5", "packed"])
-    probe_call.PREPARED.clear()  # rebuilt from the seed alone, not taken from the cache
-    b = probe("rope", "zoo:rope_table_thetas", tmp_path, seed=123, only=["theta-1234.5", "packed"])
+    # rebuilt from the seed alone in a fresh Prepared, not taken from the first's
+    b = probe("rope", "zoo:rope_table_thetas", tmp_path, seed=123, only=["theta-1234.5", "packed"],
+              prepared=probe_call.Prepared())
     assert a["findings"] == b["findings"] and a["findings"]
     seeds = {run_probe("rope", "reference", tmp_path / "s", only=["contract"])["seed"] for _ in range(3)}
     assert len(seeds) == 3

@@ -5,43 +5,57 @@ with tests/test_wandb.py through `tiny_ab`.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from markupsafe import escape
 
 from divergence.cli import main
 from divergence.report import words, write_report
 from divergence.zoo import DEMO, ZOO
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def tiny_ab(tmp_path_factory) -> Path:
-    """Results folder of a real `divergence ab --recipe tiny --optimizers sgd`, made once per session."""
-    out = tmp_path_factory.getbasetemp() / "ab-tiny-sgd"
-    if not (out / "verdict.json").exists():
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-        env.update(WANDB_MODE="offline", WANDB_PROJECT="divergence-tests")  # never the network from a test
-        r = subprocess.run([sys.executable, "-m", "divergence.cli", "ab", "--kernel", "fused_embed_rmsnorm",
-                            "--recipe", "tiny", "--optimizers", "sgd", "--out", str(out)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        if out.exists():
-            (out / "ab.log").write_text(r.stdout + r.stderr)
-        # The slot's demo candidate is the zoo's bf16-accumulating kernel: a finding, exit 1 (0 would be a missed
-        # bug, 2 a harness error; either makes every page test below read the wrong run).
-        assert ZOO[DEMO["fused_embed_rmsnorm"]].verdict == "bad"
-        assert r.returncode == 1, f"divergence ab exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    """Results folder of a real `divergence ab --recipe tiny --optimizers sgd`, made once per session: in this
+    process (a fresh interpreter added 5-20 s of imports and showed nothing more), once for all pytest-xdist
+    workers (the first to get the lock makes it in their common folder)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "ab-tiny-sgd"
+    with FileLock(f"{out}.lock"):
+        if not (out / "verdict.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a failed attempt's
+            _run_tiny_ab(out)
     assert json.loads((out / "verdict.json").read_text())["verdict"] != "PASS"
     return out
+
+
+def _run_tiny_ab(out: Path):
+    said = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        for k in [k for k in os.environ if k.startswith("WANDB_")]:
+            mp.delenv(k)
+        mp.setenv("WANDB_MODE", "offline")  # never the network from a test
+        mp.setenv("WANDB_PROJECT", "divergence-tests")
+        code = main(["ab", "--kernel", "fused_embed_rmsnorm", "--recipe", "tiny", "--optimizers", "sgd",
+                     "--out", str(out)])
+    if out.exists():
+        (out / "ab.log").write_text(said.getvalue())
+    # The slot's demo candidate is the zoo's bf16-accumulating kernel: a finding, exit 1 (0 would be a missed
+    # bug, 2 a harness error; either makes every page test below read the wrong run).
+    assert ZOO[DEMO["fused_embed_rmsnorm"]].verdict == "bad"
+    assert code == 1, f"divergence ab exited {code}:\n{said.getvalue()[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -200,22 +214,22 @@ def test_effect_sizes_read_at_any_magnitude():
 
 
 def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch):
-    """In one process the verdict's distances serve the report: none is computed twice (each pair reads the
-    arms' snapshots and evaluations, seconds at GPU-recipe sizes)."""
+    """In one run the verdict's distances serve the report and wandb, through the run's ArmFiles: none is computed
+    twice (each pair reads the arms' snapshots and evaluations, seconds at GPU-recipe sizes); a fresh ArmFiles
+    (another run) computes them afresh."""
     from divergence.detect import distances as compare
-    from divergence.report import results as report_results
 
     calls = []
     real = compare.scalar_distances
     monkeypatch.setattr(compare, "scalar_distances", lambda *a: calls.append(a) or real(*a))
-    compare._MEMO.clear()
-    report_results._CACHE.clear()
-    write_report(results)
+    files = compare.ArmFiles()
+    write_report(results, files)
     first = len(calls)
     assert first > 0  # the report did need them
-    report_results._CACHE.clear()  # a fresh read of the folder, as `report` then wandb do
-    write_report(results)
+    write_report(results, files)  # a fresh read of the folder with the same run's files, as wandb's after the page
     assert len(calls) == first
+    write_report(results)
+    assert len(calls) == 2 * first
 
 
 def test_the_page_and_wandb_show_every_signal(results):

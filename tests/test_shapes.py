@@ -332,7 +332,7 @@ def test_probe_and_ab_from_the_solution_alone_end_to_end(sol, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "-> slot fused_embed_rmsnorm at hidden=128, vocab=4096; its reference agrees" in out
     recipe = yaml.safe_load((RECIPES_DIR / "tiny.yaml").read_text())
-    recipe["train"].update(steps=20)
+    recipe["train"].update(steps=10)  # the lockstep finds the bf16 output wrong from step 0
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     rc = main(["ab", "--candidate", str(sol["bf16-returning"]), "--recipe", str(tmp_path / "r.yaml"),
                "--optimizers", "sgd", "--out", str(tmp_path / "ab"), "--no-wandb"])

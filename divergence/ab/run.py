@@ -64,8 +64,9 @@ def write_plan(folder: Path, slot: str, cand: str, recipe, opts, overrides: dict
 
 
 def cmd_ab(args, publish=None) -> int:
-    """`divergence ab`. `publish(out, args, result)` (the report and wandb, from the layer above: cli passes
-    report.publish.after_ab) runs once verdict.json is on disk, so it can never lose the verdict."""
+    """`divergence ab`. `publish(out, args, result, files)` (the report and wandb, from the layer above: cli passes
+    report.publish.after_ab) runs once verdict.json is on disk, so it can never lose the verdict; `files`, the
+    run's compare.ArmFiles, hands it the distances the verdict computed."""
     from types import SimpleNamespace
 
     from ..detect.probe.isolate import load_meta
@@ -186,14 +187,15 @@ def _probe_outcome(probe, probing) -> tuple:
 def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, t0) -> int:
     """Judge, write verdict.json, print the table, publish; the exit code."""
     t_judge = time.time()
-    result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error)
+    files = compare.ArmFiles()  # this run's reads and distances, for the verdict, then the report and wandb
+    result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, files)
     result["timings"] = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}
     if probe_error:
         result["probe_error"] = probe_error
     write_json(out / "verdict.json", result)
     _print_table(result)
     if publish is not None:
-        publish(out, args, result)
+        publish(out, args, result, files)
     if probe_error:
         print(f"error: {probe_error}", file=sys.stderr)
     return result["exit_code"]
@@ -218,7 +220,10 @@ def _preflight(slot, cand, out, recipe, device):
     return res
 
 
-def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None) -> dict:
+def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None,
+          files=None) -> dict:
+    """verdict.json's content; `files`: the run's compare.ArmFiles (a fresh one if None)."""
+    files = files or compare.ArmFiles()
     buckets = bucket_rows(corpus.rank, vocab)
     smooth = max(1, recipe.train.steps // 50)
     per_opt, drift_tables = {}, {}
@@ -236,8 +241,8 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
             per_opt[opt] = {"verdict": "ERROR", "detail": f"harness arm(s) {', '.join(bad)} did not finish: "
                             + "; ".join(health.arm_reason(k, arms.get(k)) for k in bad)}
             continue
-        null_d = [compare.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
-        cand_d = compare.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
+        null_d = [files.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
+        cand_d = files.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
             if cand_st.get("status") == "OK" else {}
         ab = recipe.ab
         cal = verdict.calibrate(null_d, ab.margin, ab.window, ab.lead)

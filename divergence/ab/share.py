@@ -41,7 +41,6 @@ ENV = "DIVERGENCE_ARMS_CACHE"
 DEFAULT_CACHE = Path("results") / ".arms-cache"
 
 
-@functools.lru_cache(maxsize=1)
 def code_version() -> str:
     return paths.code_version(CODE)
 
@@ -59,23 +58,23 @@ def device_kind(device: str) -> dict:
     return kind
 
 
-_corpus_ids: dict = {}
-
-
 def corpus_id(corpus) -> dict:
     """The corpus's cache key and a hash of its token ids (about 10 ms for WikiText-2's 2.4M ids)."""
-    if corpus.key not in _corpus_ids:
-        import numpy as np
+    import numpy as np
 
-        h = hashlib.sha256()
-        for a in (corpus.train, corpus.val):
-            h.update(np.ascontiguousarray(a).tobytes())
-        _corpus_ids[corpus.key] = {"key": corpus.key, "ids_sha256": h.hexdigest(), "vocab_size": corpus.vocab_size}
-    return _corpus_ids[corpus.key]
+    h = hashlib.sha256()
+    for a in (corpus.train, corpus.val):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return {"key": corpus.key, "ids_sha256": h.hexdigest(), "vocab_size": corpus.vocab_size}
 
 
-def arm_key(recipe, spec, corpus, device: str) -> Optional[tuple]:
-    """(key, its ingredients) for an arm that runs no candidate code, else None."""
+def run_ingredients(corpus, device: str) -> dict:
+    """What every arm key of one run shares (corpus, code, device kind), worked out once per run."""
+    return {"corpus": corpus_id(corpus), "code": code_version(), "env": device_kind(device)}
+
+
+def arm_key(recipe, spec, shared: dict) -> Optional[tuple]:
+    """(key, its ingredients) for an arm that runs no candidate code, else None; `shared`: run_ingredients."""
     from ..candidates.resolve import build_kernels
 
     if spec.lockstep or spec.name == "candidate":
@@ -87,8 +86,7 @@ def arm_key(recipe, spec, corpus, device: str) -> Optional[tuple]:
     for k in ("name", "path", "ab"):
         r.pop(k, None)
     r["train"].pop("progress", None)
-    ident = {"recipe": r, "optimizer": spec.optimizer, "arm": spec.name, "kernels": kernels,
-             "corpus": corpus_id(corpus), "code": code_version(), "env": device_kind(device)}
+    ident = {"recipe": r, "optimizer": spec.optimizer, "arm": spec.name, "kernels": kernels, **shared}
     blob = json.dumps(ident, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:32], ident
 
@@ -203,9 +201,9 @@ def _keep_or_train(job, results: dict, todo: list, counts: dict):
 
 def _group(recipe, jobs, corpus, device: str, keep_or_train) -> dict:
     """{arm key: (its ingredients, [the jobs that share it])}; a job that shares nothing goes to `keep_or_train`."""
-    groups = {}
+    groups, shared = {}, run_ingredients(corpus, device)
     for job in jobs:
-        k = arm_key(job.recipe or recipe, job.spec, corpus, device)
+        k = arm_key(job.recipe or recipe, job.spec, shared)
         if k is None:
             keep_or_train(job)
             continue

@@ -248,16 +248,18 @@ def _train_all(args, base, jobs, out, corpus, device, workers, backend, address,
 
 def _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran: set) -> tuple:
     """(a table row per cell, wandb runs logged): each cell judged, its verdict.json written and published."""
+    from ..detect.distances import ArmFiles
     from .run import judge
 
     rows, logged = [], 0
+    files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
     for cand, impl, seed, recipe, cell_dir, label in cells:
         prefix = f"{cell_dir.relative_to(out)}/"
         cell_arms = {k[len(prefix):]: v for k, v in arms.items() if k.startswith(prefix)}
-        result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab)
+        result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab, files=files)
         write_json(cell_dir / "verdict.json", result)
         if publish and not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
-            logged += publish.log_cell(cell_dir, result, label, seed, out.name)
+            logged += publish.log_cell(cell_dir, result, label, seed, out.name, files)
         rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
                      "verdict": result["verdict"], "case": result["case"], "exit_code": result["exit_code"],
                      **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})

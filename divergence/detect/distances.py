@@ -11,8 +11,8 @@ Signed differences are kept beside (`signed`) to report the direction.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -21,22 +21,70 @@ from ..model import PARAM_GROUPS
 from ..train.metrics import read_metrics
 
 
+class _Lru(OrderedDict):
+    """At most `keep` entries, the least recently used dropped first."""
 
-def metrics_rows(path: Path) -> list:
-    """An arm's metrics rows, parsed once per process and file version (one series per metric is read from it:
-    seven per compared pair, 126 parses of the same twelve files per A/B before)."""
-    st = path.stat()
-    return _rows_cached(str(path), st.st_mtime_ns, st.st_size)
+    def __init__(self, keep: int):
+        super().__init__()
+        self.keep = keep
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        while len(self) > self.keep:
+            self.popitem(last=False)
+        return value
 
 
-@functools.lru_cache(maxsize=64)
-def _rows_cached(path: str, mtime_ns: int, size: int) -> list:
-    return read_metrics(path)
+class ArmFiles:
+    """One run's reads of its arms' files and the distances computed from them, each done once: the verdict, then
+    the report and wandb ask for the same pairs (the report recomputed them all: 13 s at the h200 recipe's sizes),
+    and one metrics file gives seven series per compared pair (126 parses of the same twelve files per A/B before).
+    Owned by the run (`ab` or `soak`, which hand it to the report), so nothing outlives it. Every key holds the
+    file's version (modification time, size), so an arm that was run again is never served stale."""
+
+    def __init__(self):
+        self._rows = _Lru(64)  # metrics.jsonl rows, per (path, version)
+        self._refs = _Lru(32)  # the reference arm's arrays: read once, not once per compared arm (3 per optimizer)
+        self._memo = _Lru(64)  # distances, per (reference, arm, smoothing, versions, buckets)
+
+    def rows(self, path) -> list:
+        """An arm's metrics rows, parsed once per file version."""
+        st = Path(path).stat()
+        return self._rows.get_or((str(path), st.st_mtime_ns, st.st_size), lambda: read_metrics(path))
+
+    def ref_array(self, path) -> np.ndarray:
+        """A reference arm's array (read-only), read once per file version."""
+        def load():
+            a = np.load(path)
+            a.flags.writeable = False
+            return a
+        return self._refs.get_or((str(path), Path(path).stat().st_mtime_ns), load)
+
+    def distances(self, ref_dir, arm_dir, buckets: dict, smooth: int) -> dict:
+        """Every distance of one arm from its reference (see the module's docstring). Treat it as read-only."""
+        key = (str(Path(ref_dir).resolve()), str(Path(arm_dir).resolve()), smooth, _version(ref_dir),
+               _version(arm_dir), tuple((b, hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest())
+                                        for b, r in buckets.items()))
+
+        def compute():
+            d = scalar_distances(ref_dir, arm_dir, smooth, self)
+            d.update(drift_distances(ref_dir, arm_dir, buckets, self))
+            d.update(kl_distances(ref_dir, arm_dir, self))
+            return d
+        return self._memo.get_or(key, compute)
 
 
-def load_series(arm_dir: Path, key: str):
+def distances(ref_dir, arm_dir, buckets: dict, smooth: int, files: ArmFiles = None) -> dict:
+    """Every distance of one arm from its reference, through the run's `files` (a fresh ArmFiles if none)."""
+    return (files or ArmFiles()).distances(ref_dir, arm_dir, buckets, smooth)
+
+
+def load_series(arm_dir: Path, key: str, files: ArmFiles):
     """(steps, values) of one metric from an arm's metrics.jsonl."""
-    return series(metrics_rows(Path(arm_dir) / "metrics.jsonl"), key)
+    return series(files.rows(Path(arm_dir) / "metrics.jsonl"), key)
 
 
 def series(rows: list, key: str):
@@ -59,18 +107,18 @@ def _smooth(x: np.ndarray, k: int) -> np.ndarray:
     return (c[hi] - c[lo]) / (hi - lo)
 
 
-def _aligned(ref_dir, arm_dir, key):
-    s_r, v_r = load_series(ref_dir, key)
-    s_a, v_a = load_series(arm_dir, key)
+def _aligned(ref_dir, arm_dir, key, files):
+    s_r, v_r = load_series(ref_dir, key, files)
+    s_a, v_a = load_series(arm_dir, key, files)
     common = np.intersect1d(s_r, s_a)
     return common, v_r[np.isin(s_r, common)], v_a[np.isin(s_a, common)]
 
 
-def scalar_distances(ref_dir, arm_dir, smooth: int) -> dict:
+def scalar_distances(ref_dir, arm_dir, smooth: int, files: ArmFiles) -> dict:
     """metric -> {steps, dist, signed} for the per-step scalar metrics."""
     out = {}
     for key in ["loss", "val_loss"] + [f"grad_norm/{g}" for g in PARAM_GROUPS]:
-        steps, r, a = _aligned(ref_dir, arm_dir, key)
+        steps, r, a = _aligned(ref_dir, arm_dir, key, files)
         if len(steps) == 0:
             continue
         if key.startswith("grad_norm"):
@@ -82,35 +130,22 @@ def scalar_distances(ref_dir, arm_dir, smooth: int) -> dict:
     return out
 
 
-def _load_ref(path: str) -> np.ndarray:
-    """The reference arm's files are read once, not once per compared arm (3 per optimizer, and the report);
-    keyed by modification time too, so a re-run reference is never served from the cache."""
-    return _load_cached(path, Path(path).stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=32)
-def _load_cached(path: str, mtime_ns: int) -> np.ndarray:
-    a = np.load(path)
-    a.flags.writeable = False
-    return a
-
-
 def _by_step(arm_dir, folder: str, pattern: str) -> dict:
     """step -> file, for an arm's per-step arrays (snapshots/embed_<step>.npy, evals/logp_<step>.npy)."""
     return {int(p.stem.split("_")[1]): p for p in (Path(arm_dir) / folder).glob(pattern)}
 
 
-def drift_distances(ref_dir, arm_dir, buckets: dict) -> dict:
+def drift_distances(ref_dir, arm_dir, buckets: dict, files: ArmFiles) -> dict:
     """`drift/<bucket>` at every snapshot step both arms have, and the per-row drift at the last one."""
     snaps_r, snaps_a = (_by_step(d, "snapshots", "embed_*.npy") for d in (ref_dir, arm_dir))
     steps = sorted(set(snaps_r) & set(snaps_a))
     if not steps or 0 not in snaps_r:
         return {}
-    e0 = _load_ref(str(snaps_r[0]))
+    e0 = files.ref_array(snaps_r[0])
     per = {b: [] for b in buckets}
     last_rows = None
     for s in steps:
-        er, ea = _load_ref(str(snaps_r[s])), np.load(snaps_a[s])
+        er, ea = files.ref_array(snaps_r[s]), np.load(snaps_a[s])
         moved = np.linalg.norm(er - e0, axis=1)
         apart = np.linalg.norm(ea - er, axis=1)
         for b, rows in buckets.items():
@@ -123,7 +158,7 @@ def drift_distances(ref_dir, arm_dir, buckets: dict) -> dict:
     return out
 
 
-def kl_distances(ref_dir, arm_dir) -> dict:
+def kl_distances(ref_dir, arm_dir, files: ArmFiles) -> dict:
     files_r, files_a = (_by_step(d, "evals", "logp_*.npy") for d in (ref_dir, arm_dir))
     steps = sorted(set(files_r) & set(files_a))
     if not steps:
@@ -133,31 +168,10 @@ def kl_distances(ref_dir, arm_dir) -> dict:
         # In float32, summed in float64: lr - la is exact for close log-probabilities (Sterbenz), so the terms
         # carry ~1e-7 relative error, far below the smallest KL the verdict looks at (floor 1e-4); converting both
         # arrays to float64 first took 4x longer (7.6 s of a 15 s verdict at the h200 recipe's sizes).
-        lr, la = _load_ref(str(files_r[s])), np.load(files_a[s])
+        lr, la = files.ref_array(files_r[s]), np.load(files_a[s])
         vals.append(float((np.exp(lr) * (lr - la)).sum(-1, dtype=np.float64).mean()))
     v = np.maximum(np.asarray(vals), 0.0)
     return {"kl": {"steps": np.asarray(steps), "dist": v, "signed": v}}
-
-
-_MEMO: dict = {}
-
-
-def distances(ref_dir, arm_dir, buckets: dict, smooth: int) -> dict:
-    """Every distance of one arm from its reference. Memoised in the process: the verdict, then the report and
-    wandb ask for the same pairs (the report recomputed them all: 13 s at the h200 recipe's sizes). The key holds
-    both metrics files' versions, so an arm that was run again is never served stale. Treat the result as
-    read-only."""
-    key = (str(Path(ref_dir).resolve()), str(Path(arm_dir).resolve()), smooth, _version(ref_dir),
-           _version(arm_dir), tuple((b, hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest())
-                                    for b, r in buckets.items()))
-    if key not in _MEMO:
-        if len(_MEMO) >= 64:
-            _MEMO.clear()
-        d = scalar_distances(ref_dir, arm_dir, smooth)
-        d.update(drift_distances(ref_dir, arm_dir, buckets))
-        d.update(kl_distances(ref_dir, arm_dir))
-        _MEMO[key] = d
-    return _MEMO[key]
 
 
 def _version(arm_dir) -> tuple:

@@ -11,22 +11,23 @@ from pathlib import Path
 from ..train.metrics import write_json
 
 
-def after_ab(out: Path, args, result: dict):
+def after_ab(out: Path, args, result: dict, files=None):
+    """`files`: the run's detect.distances.ArmFiles, holding the distances its verdict computed."""
     from . import write_report
 
-    print(f"report: {write_report(out)}")
+    print(f"report: {write_report(out, files)}")
     if not getattr(args, "no_wandb", False):
         from .wandb import log_ab
 
-        log_ab(out, result)
+        log_ab(out, result, files=files)
 
 
-def log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str) -> bool:
+def log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str, files=None) -> bool:
     """A soak cell's runs go into its candidate's group, one group per candidate across seeds and optimizers."""
     from .wandb import log_ab
 
     r = log_ab(cell_dir, result, group=label, name_prefix=f"seed-{seed}/", tags=[f"seed-{seed}", soak_id],
-               config={"seed": seed, "soak": soak_id})
+               config={"seed": seed, "soak": soak_id}, files=files)
     return _mark_logged(cell_dir, r)
 
 

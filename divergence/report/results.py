@@ -2,7 +2,8 @@
 
 Layout (written by `divergence ab`): `plan.json`, `verdict.json`, `drift.json`, `<optimizer>/<arm>/arm.json` and
 `metrics.jsonl` (+ `snapshots/`, `evals/`). Distances of each arm from its reference are recomputed here with the
-verdict's own code (`detect.distances.distances`), so the plotted curves are exactly what the verdict judged.
+verdict's own code (`detect.distances.ArmFiles`), so the plotted curves are exactly what the verdict judged; with the
+run's own ArmFiles (`ab` hands it over) they are the very arrays it judged, not computed again.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Results:
     verdict: dict
     drift: dict  # drift.json: per optimizer, per-bucket final drift and per-row drift by frequency rank
     arms: dict  # optimizer -> {arm name -> Arm}, reference first, then candidate, then nulls
+    files: compare.ArmFiles  # the run's reads and distances
     _buckets: object = None
 
     @property
@@ -61,12 +63,12 @@ class Results:
 
     def distances(self, opt: str) -> dict:
         """arm name -> {metric: {steps, dist, signed}} for every non-reference arm that has metrics (memoised by
-        `compare.distances`: the pairs the verdict judged are not computed again)."""
+        `self.files`: with the run's, the pairs the verdict judged are not computed again)."""
         ref = self.arms[opt].get("reference")
         if ref is None:
             return {}
         smooth = int(self.verdict.get("rule", {}).get("smooth_steps", 1))
-        return {name: compare.distances(ref.dir, arm.dir, self.buckets(), smooth)
+        return {name: self.files.distances(ref.dir, arm.dir, self.buckets(), smooth)
                 for name, arm in self.arms[opt].items() if name != "reference" and arm.rows}
 
     def buckets(self) -> dict:
@@ -86,20 +88,16 @@ class Results:
         return self._buckets
 
 
-_CACHE: dict = {}
-
-
-def load_results(results_dir) -> Results:
-    """Read a results folder; the same folder read twice in one process (report, then wandb) is read once."""
+def load_results(results_dir, files=None) -> Results:
+    """Read a results folder. `files`: the run's compare.ArmFiles (its distances and parsed metrics), else a fresh
+    one; `ab` and `report` hand theirs to both the page and wandb, so the folder's arms are read once."""
+    files = files or compare.ArmFiles()
     d = Path(results_dir).resolve()
     for name in ("plan.json", "verdict.json"):
         if not (d / name).is_file():
             hint = " (an interrupted run: finish it with `divergence ab --resume DIR`)" if name == "verdict.json" \
                 and (d / "plan.json").is_file() else ""
             raise UserError(f"{d}: not a finished results folder of `divergence ab` (no {name}){hint}")
-    stamp = (d / "verdict.json").stat().st_mtime_ns
-    if _CACHE.get(d, (None,))[0] == stamp:
-        return _CACHE[d][1]
     try:
         plan = json.loads((d / "plan.json").read_text())
         verdict = json.loads((d / "verdict.json").read_text())
@@ -111,14 +109,11 @@ def load_results(results_dir) -> Results:
         found = {}
         for sub in sorted((d / opt).glob("*/arm.json"), key=lambda p: _arm_order(p.parent.name)):
             # compare's parse of the file: the verdict in this process already read it
-            rows = compare.metrics_rows(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
+            rows = files.rows(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
             found[sub.parent.name] = Arm(opt, sub.parent.name, sub.parent, json.loads(sub.read_text()), rows)
         if found:
             arms[opt] = found
-    res = Results(d, plan, verdict, drift, arms)
-    _CACHE.clear()  # one folder at a time (its distances are memoised in compare, not here)
-    _CACHE[d] = (stamp, res)
-    return res
+    return Results(d, plan, verdict, drift, arms, files)
 
 
 def _arm_order(name: str):

@@ -1,6 +1,7 @@
 """One input family's checks, run where the candidate lives (the probe's worker process, isolate.py): the call on
 copies of the inputs, then checks.py's accuracy, mutation, determinism and caching checks against the float64
-oracle and the reference, whose outputs are prepared once per (family, seed) and kept in a small LRU."""
+oracle and the reference, whose outputs are prepared once per (family, seed) and kept in the run's Prepared, a
+small LRU."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -14,8 +15,8 @@ from .inputs import family_seed
 REPEATS = 3  # runs of one input for the determinism check
 
 
-def probe_family(contract, impl, fam, seed, device, destination) -> list:
-    case, orc, ref = prepared(contract, fam, seed, device)
+def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prepared") -> list:
+    case, orc, ref = prepared.get(contract, fam, seed, device)
     ctx, kept = case.context, case.inputs
     slot = contract.name
 
@@ -51,7 +52,7 @@ def probe_family(contract, impl, fam, seed, device, destination) -> list:
         out += checks.spread(contract, runs, orc, errs)
 
         # No caching: another draw of the family written into the first call's storage, then in fresh tensors.
-        case2, orc2, ref2 = prepared(contract, fam, seed, device, again=True)
+        case2, orc2, ref2 = prepared.get(contract, fam, seed, device, again=True)
         new = case2.inputs
         if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
             return out  # a family whose shapes vary between draws: nothing to reuse
@@ -71,35 +72,39 @@ def probe_family(contract, impl, fam, seed, device, destination) -> list:
     return out
 
 
-PREPARED: "OrderedDict[tuple, tuple]" = OrderedDict()  # (slot, family, seed, device, again) -> (case, oracle, ref)
-_KEEP = 32  # about two sweeps of one slot (at most about 0.25 GB here): probing several candidates with one seed
-#             (the tests, a zoo survey) builds each input and its oracle once; fresh seeds never hit
+class Prepared:
+    """Families' inputs (never handed to the candidate: it gets copies), the oracle's and the reference's outputs,
+    built once per (slot, family, shape, seed, device, draw) and kept while the owner lives: one probe (run_probe
+    makes one), or several probes of one seed (the tests, the calibration table), which then build each input and
+    its oracle once. A forked worker inherits its parent's; a spawned one builds its own."""
 
+    KEEP = 32  # about two sweeps of one slot (at most about 0.25 GB here); fresh seeds never hit
+    KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
+    #                       oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
 
-def prepared(contract, fam, seed, device, again=False) -> tuple:
-    """A family's inputs (never handed to the candidate: it gets copies), the oracle's and the reference's outputs."""
-    key = (contract.name, fam.name, fam.shape_str(), seed, device, again)
-    hit = PREPARED.get(key)
-    if hit is not None:
-        PREPARED.move_to_end(key)
-        return hit
-    case = fam.build(torch.Generator().manual_seed(family_seed(seed, fam.name + ("/again" if again else ""))), device)
-    with torch.no_grad():
-        orc = as_tuple(contract.oracle(*oracle_inputs(contract, case.inputs), **case.context))
-        ref = as_tuple(contract.reference(*case.inputs, **case.context))
-    PREPARED[key] = (case, orc, ref)
-    while len(PREPARED) > _KEEP or (len(PREPARED) > 1 and _held_bytes() > _KEEP_BYTES):
-        PREPARED.popitem(last=False)
-    return case, orc, ref
+    def __init__(self):
+        self._held: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (case, oracle, ref)
 
+    def get(self, contract, fam, seed, device, again=False) -> tuple:
+        """(case, oracle outputs, reference outputs) of one draw of a family."""
+        key = (contract.name, fam.name, fam.shape_str(), seed, device, again)
+        hit = self._held.get(key)
+        if hit is not None:
+            self._held.move_to_end(key)
+            return hit
+        gen = torch.Generator().manual_seed(family_seed(seed, fam.name + ("/again" if again else "")))
+        case = fam.build(gen, device)
+        with torch.no_grad():
+            orc = as_tuple(contract.oracle(*oracle_inputs(contract, case.inputs), **case.context))
+            ref = as_tuple(contract.reference(*case.inputs, **case.context))
+        self._held[key] = (case, orc, ref)
+        while len(self._held) > self.KEEP or (len(self._held) > 1 and self._bytes() > self.KEEP_BYTES):
+            self._held.popitem(last=False)
+        return case, orc, ref
 
-_KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
-#                        oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
-
-
-def _held_bytes() -> int:
-    return sum(x.numel() * x.element_size() for case, orc, ref in PREPARED.values()
-               for x in (*case.inputs, *orc, *ref) if isinstance(x, torch.Tensor))
+    def _bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for case, orc, ref in self._held.values()
+                   for x in (*case.inputs, *orc, *ref) if isinstance(x, torch.Tensor))
 
 
 def _clone(inputs) -> tuple:

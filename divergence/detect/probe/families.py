@@ -8,9 +8,9 @@ from .inputs import families as synthetic_families
 from .magnitudes import magnitude_families
 
 
-def families(slot: str, device: str, recipe=None) -> tuple:
+def families(slot: str, device: str, recipe=None, text=None) -> tuple:
     """(the families to run on `device`, notes on those left out). `recipe` (a name, a Recipe, or None for the
-    probe's default) is the one whose training run the captured families come from."""
-    fams, notes = synthetic_families(slot, device)
+    probe's default) is the one whose training run the captured families come from; `text`: inputs.RealText."""
+    fams, notes = synthetic_families(slot, device, text)
     captured, more = captured_families(slot, device, recipe)
     return fams + captured + magnitude_families(slot), notes + more

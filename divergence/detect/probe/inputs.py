@@ -8,7 +8,6 @@ or one id everywhere; magnitudes go from what SOL-ExecBench fed (logits in (0, 1
 """
 from __future__ import annotations
 
-import functools
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -63,9 +62,9 @@ def one_id(gen, vocab, batch, seq):
     return torch.full((batch, seq), int(torch.randint(0, vocab, (1,), generator=gen)), dtype=torch.long)
 
 
-@functools.lru_cache(maxsize=1)
 def _corpus():
-    """(token ids of WikiText-2's training split, vocabulary size), or the reason it cannot be had."""
+    """(token ids of WikiText-2's training split, vocabulary size), or the reason it cannot be had (22 ms from the
+    data cache, memory-mapped)."""
     try:
         from ...data import load_corpus
         from ...recipe import DataConfig
@@ -76,21 +75,31 @@ def _corpus():
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-def corpus_vocab() -> Optional[int]:
-    c = _corpus()
-    return None if isinstance(c, str) else c[1]
+class RealText:
+    """The real text the `corpus` families draw from, loaded at most once by its holder: one per family list
+    (`families` makes one; a probe builds its list once, a spawned worker its own), not memoised for the process."""
 
+    def __init__(self):
+        self._got = None
 
-def corpus_note() -> Optional[str]:
-    c = _corpus()
-    return c if isinstance(c, str) else None
+    def _get(self):
+        if self._got is None:
+            self._got = _corpus()
+        return self._got
 
+    def vocab(self) -> Optional[int]:
+        c = self._get()
+        return None if isinstance(c, str) else c[1]
 
-def corpus_ids(gen, vocab, batch, seq):
-    """`batch` windows of `seq` consecutive tokens of real text, at random offsets."""
-    train, _ = _corpus()
-    offsets = torch.randint(0, len(train) - seq, (batch,), generator=gen).tolist()
-    return torch.stack([torch.from_numpy(train[o:o + seq].astype("int64")) for o in offsets])
+    def note(self) -> Optional[str]:
+        c = self._get()
+        return c if isinstance(c, str) else None
+
+    def ids(self, gen, vocab, batch, seq):
+        """`batch` windows of `seq` consecutive tokens of real text, at random offsets."""
+        train, _ = self._get()
+        offsets = torch.randint(0, len(train) - seq, (batch,), generator=gen).tolist()
+        return torch.stack([torch.from_numpy(train[o:o + seq].astype("int64")) for o in offsets])
 
 
 def frequent_rows(ids, vocab) -> torch.Tensor:
@@ -125,7 +134,7 @@ def _zipf(s):
     return lambda gen, vocab, batch, seq: zipf_ids(gen, vocab, batch, seq, s)
 
 
-def embed_families() -> list:
+def embed_families(text: RealText) -> list:
     z = _zipf(1.1)
     fams = [
         _embed("uniform", uniform_ids, 4, 128, 64, 512, deep=True),  # the contract's shapes
@@ -143,9 +152,9 @@ def embed_families() -> list:
         # NOTES' op-level shape: 65,536 tokens, hidden 384, vocabulary 16,384 (the bf16 CPU model is slow there)
         _embed("large", z, 16, 4096, 384, 16384, gpu_only=True),
     ]
-    v = corpus_vocab()
+    v = text.vocab()
     if v is not None:
-        fams.insert(4, _embed("corpus", corpus_ids, 8, 2048, 64, v))  # 16k tokens: a training step of NOTES
+        fams.insert(4, _embed("corpus", text.ids, 8, 2048, 64, v))  # 16k tokens: a training step of NOTES
     return fams
 
 
@@ -280,7 +289,7 @@ def _ce(name, rows, vocab, ids_fn=None, scale=3.0, dtype=torch.float32, **kw):
     return Family(name, _shape(dict(rows=rows, vocab=vocab), dtype, scale=(scale, 3.0)), build, **kw)
 
 
-def ce_families() -> list:
+def ce_families(text: RealText) -> list:
     fams = [
         _ce("contract", 256, 512, deep=True),
         _ce("zipf-1.1", 2048, 4096, _zipf(1.1)),
@@ -293,19 +302,19 @@ def ce_families() -> list:
         _ce("batch-1", 1, 512),
         _ce("long", 8192, 512),
     ]
-    v = corpus_vocab()
+    v = text.vocab()
     if v is not None:
-        fams.insert(2, _ce("corpus", 2048, v, corpus_ids))
+        fams.insert(2, _ce("corpus", 2048, v, text.ids))
     return fams
 
 
-FAMILIES: dict = {
+FAMILIES: dict = {  # slot -> its families, given the real text (which only two slots draw from)
     "fused_embed_rmsnorm": embed_families,
-    "rmsnorm": lambda: norm_families(rmsnorm),
-    "rmsnorm_backward": lambda: norm_families(rmsnorm_backward),
-    "rope": rope_families,
-    "attn_softcap": softcap_families,
-    "swiglu": swiglu_families,
+    "rmsnorm": lambda text: norm_families(rmsnorm),
+    "rmsnorm_backward": lambda text: norm_families(rmsnorm_backward),
+    "rope": lambda text: rope_families(),
+    "attn_softcap": lambda text: softcap_families(),
+    "swiglu": lambda text: swiglu_families(),
     "cross_entropy": ce_families,
 }
 
@@ -313,12 +322,14 @@ FAMILIES: dict = {
 USES_CORPUS = ("fused_embed_rmsnorm", "cross_entropy")
 
 
-def families(slot: str, device: str) -> tuple:
-    """(the families to run on `device`, notes on those left out)."""
-    fams = FAMILIES[slot]()
+def families(slot: str, device: str, text: Optional[RealText] = None) -> tuple:
+    """(the families to run on `device`, notes on those left out); `text`: the real text of the `corpus`
+    families (a fresh RealText if None)."""
+    text = text or RealText()
+    fams = FAMILIES[slot](text)
     notes = []
-    if slot in USES_CORPUS and corpus_vocab() is None:
-        notes.append(f"family corpus skipped: real-text ids unavailable ({corpus_note()})")
+    if slot in USES_CORPUS and text.vocab() is None:
+        notes.append(f"family corpus skipped: real-text ids unavailable ({text.note()})")
     cpu_skip = [f.name for f in fams if f.gpu_only and device != "cuda"]
     if cpu_skip:
         notes.append(f"GPU-only famil{'y' if len(cpu_skip) == 1 else 'ies'} skipped on {device}: {', '.join(cpu_skip)}")

@@ -13,9 +13,9 @@ sent. The parent watches it:
 and in each case the next family runs in a fresh worker. The worker's stdout and stderr (the candidate's prints, a
 segfault's dump) go to `worker.log` beside probe.json.
 
-Before forking, the parent builds every family's inputs, float64 oracle and reference outputs (run.py's cache):
-the worker inherits them without a copy, and probing several candidates with one seed builds them once. A spawned
-worker builds them itself, on its own device.
+Before forking, the parent builds every family's inputs, float64 oracle and reference outputs (the run's
+call.Prepared): the worker inherits them without a copy, and probing several candidates with one seed and one
+Prepared builds them once. A spawned worker builds them itself, on its own device.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class Worker:
     """A child process holding the candidate; `family(i)` runs family i there under the watchdog."""
 
     def __init__(self, slot: str, spec, device: str, seed: int, fams: list, log: Path, limits: Limits,
-                 rebuild: Optional[tuple] = None):
+                 rebuild: Optional[tuple] = None, prepared=None):
         self.limits, self.log = limits, Path(log)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         ctx, forked = _context(device)
@@ -91,7 +91,8 @@ class Worker:
         # the parent's (declared shapes included), never the contract's defaults under the same names.
         self.proc = ctx.Process(target=_serve, args=(child, slot, spec, device, seed,
                                                      fams if forked or _picklable(fams) else None,
-                                                     [f.name for f in fams], str(self.log), rebuild), daemon=False)
+                                                     [f.name for f in fams], str(self.log), rebuild,
+                                                     prepared if forked else None), daemon=False)
         self.proc.start()
         child.close()
         (self.meta,) = self._wait("load", limits.load_s)
@@ -165,8 +166,9 @@ def _last_line(log: Path) -> str:
     return f"; its last output: {said}" if said else ""
 
 
-def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
-    """The worker: load the candidate, then run families as asked until told to stop."""
+def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None, prepared=None):
+    """The worker: load the candidate, then run families as asked until told to stop. `prepared`: the parent's
+    call.Prepared when forked (its families built there), else None: built here."""
     _become_worker(log_path, device)
     from ...slots import SLOTS
     from . import call, checks  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
@@ -179,6 +181,7 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
     destination = impl.meta.get("convention") == "destination"
     watch = _Watch(impl.fn, contract, device)
     impl = dataclasses.replace(impl, fn=watch)
+    prepared = prepared or call.Prepared()
     while True:
         try:
             msg = conn.recv()
@@ -189,7 +192,7 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None):
             # to save.
             sys.stdout.flush()
             os._exit(0)
-        if _run_family(conn, slot, contract, impl, watch, fams[msg[1]], seed, device, destination):
+        if _run_family(conn, slot, contract, impl, watch, fams[msg[1]], seed, device, destination, prepared):
             os._exit(0)  # a CUDA context the candidate broke cannot be trusted: the next family gets a fresh worker
 
 
@@ -237,22 +240,22 @@ def _load(conn, slot, spec, device, fams, names, rebuild):
     return impl, fams
 
 
-def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destination) -> bool:
+def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destination, prepared) -> bool:
     """One family: "prepared" (its input elements) then "done" (findings, seconds, fatal) sent to the parent;
     returns fatal (the worker must exit: a CUDA error left its context unusable)."""
     from . import checks
-    from .call import prepared as _prepared, probe_family as _probe_family
+    from .call import probe_family as _probe_family
 
-    case = _prepared(contract, fam, seed, device)[0]
+    case = prepared.get(contract, fam, seed, device)[0]
     if fam.deep:
-        _prepared(contract, fam, seed, device, again=True)
+        prepared.get(contract, fam, seed, device, again=True)
     conn.send(("prepared", sum(x.numel() for x in case.inputs if isinstance(x, torch.Tensor))))
     t = time.perf_counter()
     fatal = False
     state = globalstate.snapshot()
     watch.first, watch.findings = True, []
     try:
-        got = _probe_family(contract, impl, fam, seed, device, destination) + watch.findings
+        got = _probe_family(contract, impl, fam, seed, device, destination, prepared) + watch.findings
     except Exception as e:  # the harness failed after the candidate ran (e.g. a CUDA context it corrupted)
         got = [checks._finding("exception", None, "probe could not go on after the candidate ran: "
                                                  f"{checks.one_line(e, slot)}")]
@@ -325,20 +328,21 @@ def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
 
 
 def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Optional[Limits] = None,
-          on_loaded=None, rebuild: Optional[tuple] = None) -> tuple:
+          on_loaded=None, rebuild: Optional[tuple] = None, prepared=None) -> tuple:
     """Every family in a worker, within the time budget: (candidate meta, findings, per-family records, notes).
     Findings carry the family, its shape and the seed; `crash` and `timeout` findings are the watchdog's.
     `on_loaded(meta)` is called once the candidate has loaded, before the first family; `rebuild`: how a spawned
-    worker builds the same families (Worker)."""
+    worker builds the same families (Worker); `prepared`: the run's call.Prepared (a fresh one if None)."""
     from ...slots import SLOTS
-    from .call import REPEATS
+    from .call import REPEATS, Prepared
 
     limits = limits or DEFAULT
+    prepared = prepared or Prepared()
     findings, ran, notes = [], [], list(notes)
     if _context(device)[1]:
-        prepare_all(SLOTS[slot], fams, seed, device)
+        prepare_all(SLOTS[slot], fams, seed, device, prepared)
     try:
-        worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild)
+        worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
     except WorkerDied as e:
         raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
                              f"its process ({e.why})") from None
@@ -360,7 +364,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             tf = time.perf_counter()
             try:
                 if worker is None:
-                    worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild)
+                    worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
                 got, _, fatal = worker.family(i, REPEATS + 2 if fam.deep else 1)  # runs, reuse, fresh storage
                 dead = 0
                 if fatal:
@@ -382,11 +386,9 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     return meta, findings, ran, notes
 
 
-def prepare_all(contract, fams, seed, device):
+def prepare_all(contract, fams, seed, device, prepared):
     """Build every family's inputs and oracle here, before a forked worker inherits them (see the docstring)."""
-    from .call import prepared as _prepared
-
     for fam in fams:
-        _prepared(contract, fam, seed, device)
+        prepared.get(contract, fam, seed, device)
         if fam.deep:
-            _prepared(contract, fam, seed, device, again=True)
+            prepared.get(contract, fam, seed, device, again=True)

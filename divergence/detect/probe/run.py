@@ -45,7 +45,8 @@ def device_from_flag(device: Optional[str]) -> str:
 
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
-              echo: Optional[Callable] = None, shapes: Optional[dict] = None, limits=None, recipe=None) -> dict:
+              echo: Optional[Callable] = None, shapes: Optional[dict] = None, limits=None, recipe=None,
+              prepared=None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
     Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
@@ -54,6 +55,8 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     (probe/shapes.py): the families run there, and a failure only elsewhere is a generality note, not a finding.
     `limits` (isolate.Limits): the watchdog's, default isolate.DEFAULT. `recipe` (a name or a Recipe; None: the
     probe's default, captured.DEFAULT_RECIPE) is the one whose training run the captured families come from.
+    `prepared` (call.Prepared): built inputs and oracle outputs to reuse, for several probes with one seed (a fresh
+    one if None).
     """
     from ...slots import SLOTS
 
@@ -72,7 +75,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
                  f"device {device}, {len(fams)} input families")
 
     impl, findings, ran, notes = _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits,
-                                        loaded, shapes, recipe)
+                                        loaded, shapes, recipe, prepared)
     wall = time.perf_counter() - t0
     findings = _merge_exceptions(findings)
     verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
@@ -107,7 +110,8 @@ def _families(slot, device, shapes, recipe, only) -> tuple:
     return fams, notes, others
 
 
-def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits, loaded, shapes, recipe) -> tuple:
+def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits, loaded, shapes, recipe,
+           prepared) -> tuple:
     """isolate.sweep with this process on one CPU thread meanwhile: (candidate meta, findings, families, notes)."""
     from . import isolate
 
@@ -120,7 +124,8 @@ def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, lim
         # The candidate runs in a worker process under a watchdog (isolate.py); this process never imports it.
         return isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes, Path(out_dir) / "worker.log",
                              limits, on_loaded=loaded,
-                             rebuild=("divergence.detect.probe.shapes", "families", (slot, device, shapes, recipe)))
+                             rebuild=("divergence.detect.probe.shapes", "families", (slot, device, shapes, recipe)),
+                             prepared=prepared)
     finally:
         torch.set_num_threads(threads)
 

@@ -62,7 +62,7 @@ def _sparse_embed(name, ids_fn, batch, seq, hidden, vocab, **kw):
     return fam_inputs.Family(name, dict(batch=batch, seq=seq, hidden=hidden, vocab=vocab), build, **kw)
 
 
-def _embed_declared(shapes: dict, device: str) -> list:
+def _embed_declared(shapes: dict, device: str, text) -> list:
     """fused_embed_rmsnorm's distribution families at the declared hidden and vocab, 1 token to the largest."""
     from ...slots import SLOTS
 
@@ -81,9 +81,9 @@ def _embed_declared(shapes: dict, device: str) -> list:
         e("one-token", fam_inputs.uniform_ids, 1, 1, H, V),
         e("batch-1", z, 1, 64, H, V),
     ]
-    cv = fam_inputs.corpus_vocab()
+    cv = text.vocab()
     if cv is not None and cv <= V:  # real-text ids fit the declared vocabulary (rows beyond stay unused)
-        fams.insert(4, e("corpus", fam_inputs.corpus_ids, 4, mid // 4, H, V))
+        fams.insert(4, e("corpus", text.ids, 4, mid // 4, H, V))
     batch = min(shapes.get("batch", 8), top)
     fams.append(e("largest", z, batch, top // batch, H, V))
     return fams
@@ -94,15 +94,16 @@ def families(slot: str, device: str, shapes: Optional[dict], recipe=None) -> tup
     captured families come from (families.py)."""
     from .families import families as all_families
 
-    fams, notes = all_families(slot, device, recipe)
+    text = fam_inputs.RealText()  # loaded once for this family list
+    fams, notes = all_families(slot, device, recipe, text)
     model = _model_axes(shapes)
     if not shapes:
         return fams, notes, set()
     if slot == "fused_embed_rmsnorm":
-        declared = _embed_declared(shapes, device)
+        declared = _embed_declared(shapes, device, text)
         notes = [n for n in notes if not n.startswith("GPU-only")]  # the declared sweep has its own largest
-        if not any(f.name == "corpus" for f in declared) and fam_inputs.corpus_vocab() is not None:
-            notes.append(f"family corpus skipped: the text's vocabulary ({fam_inputs.corpus_vocab()}) exceeds the "
+        if not any(f.name == "corpus" for f in declared) and text.vocab() is not None:
+            notes.append(f"family corpus skipped: the text's vocabulary ({text.vocab()}) exceeds the "
                          f"declared vocab={declared[0].shape['vocab']}")
         others = [f for f in fams if f.name in GENERALITY and not _agrees(f, model)]
     else:
