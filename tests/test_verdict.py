@@ -311,3 +311,29 @@ def test_leave_one_out_calibration_reads_the_envelope_with_the_same_lead():
     assert V.calibrate(nulls, 3.0, 3)["widened"]
     cal = V.calibrate(nulls, 3.0, 3, lead=5)
     assert not cal["widened"] and cal["margin"] == 3.0
+
+
+def test_rejudge_counts_known_good_findings_under_the_rule_asked_for(tmp_path, capsys):
+    """benchmarks/rejudge.py judges dumped distances (the H200 calibration's are shipped) under any rule: a correct
+    arm whose burst starts 4 steps before the nulls' is a finding without a lead and not with one; the known-bad
+    candidate is counted apart."""
+    import gzip
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from rejudge import main as rejudge
+
+    steps = list(range(60))
+    arm = lambda at, k=1.0: {"loss": {"steps": steps, "signed": [0.0] * 60,
+                                      "dist": [k * (1e-3 * 1.1 ** s if s < at else 0.5) for s in steps]}}
+    dump = {f"seed-0/sgd/null-{j}": arm(at) for j, at in enumerate((31, 32, 30, 33), 1)}
+    dump["seed-0/sgd/cand:null-5"] = arm(27)
+    dump["seed-0/sgd/cand:zoo:triton_embed_bf16"] = arm(0, 40.0)
+    p = tmp_path / "d.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump(dump, f)
+    rejudge(["judge", str(p), "--lead", "0"])
+    assert "1 of 1 known-good A/Bs with a finding" in capsys.readouterr().out
+    rejudge(["judge", str(p), "--lead", "5"])
+    out = capsys.readouterr().out
+    assert "0 of 1 known-good A/Bs with a finding" in out and "triton_embed_bf16 " in out and "known-bad: FINDING" in out
