@@ -1,7 +1,8 @@
 """Run arms in separate processes: a candidate that crashes, hangs or calls os._exit ends its own arm only.
 
-CPU arms are forked (torch is already imported: a fork starts in milliseconds, a fresh interpreter in ~4 s) and
-run `workers` at a time with one thread each; CUDA arms are spawned (CUDA does not survive a fork). A watchdog
+One-thread CPU arms are forked (torch is already imported: a fork starts in milliseconds, a fresh interpreter in
+~4 s), `workers` at a time; CUDA arms (CUDA does not survive a fork) and CPU arms of several threads (OpenMP does
+not either: run_jobs) are spawned. A watchdog
 ends an arm with TIMEOUT when its metrics file stops growing for `step_timeout_s` or it outlives `arm_timeout_s`.
 """
 from __future__ import annotations
@@ -108,6 +109,11 @@ def _progress_mark(out_dir: Path):
 
 def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
     """Run every job not already finished; returns {key: arm info}. Finished arms (from --resume) are kept."""
+    # A CPU arm of more than one thread is spawned too: GNU OpenMP is not fork-safe, and once this process has run
+    # multi-threaded torch (the preflight probe's capture trains at the recipe's threads) a forked arm's first
+    # parallel region waits forever for threads that were not forked (2026-11-23, 2-core CPU: `tiny` at
+    # train.threads=2 with the probe on, the candidate's arm hung in its lockstep oracle: TIMEOUT, exit 1, against a
+    # correct kernel). One-thread arms (the tests', `tiny`'s, `small`'s) never start a pool: forked, milliseconds.
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     gpus = visible_gpus() if device == "cuda" else []
     if device != "cuda":
@@ -157,8 +163,12 @@ def _start(job, recipe, running: dict, ctx, gpus: list, corpus, device: str):
     shutil.rmtree(job.out_dir, ignore_errors=True)
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
     gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
-    proc = ctx.Process(target=_child, args=(job.recipe or recipe, job.spec, str(job.out_dir),
-                                            corpus if device != "cuda" else None, gpu, time.time()),
+    arm_recipe = job.recipe or recipe
+    fresh = device == "cuda" or arm_recipe.train.threads > 1
+    if fresh:  # a spawned arm loads the corpus from its cache itself
+        ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_child, args=(arm_recipe, job.spec, str(job.out_dir), None if fresh else corpus, gpu,
+                                            time.time()),
                        daemon=False)
     proc.start()
     now = time.time()
@@ -201,7 +211,7 @@ def _watch(key: str, running: dict, draining: list, ab, retire, now: float):
             return
     reason = None
     if now > deadline:
-        reason = f"no step finished within {ab.step_timeout_s:.0f} s (train.step_timeout_s)"
+        reason = f"no step finished within {ab.step_timeout_s:.0f} s (ab.step_timeout_s)"
     elif now - t0 > ab.arm_timeout_s:
         reason = f"arm ran longer than {ab.arm_timeout_s:.0f} s (ab.arm_timeout_s)"
     if reason:
