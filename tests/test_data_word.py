@@ -14,9 +14,10 @@ from divergence.errors import RecipeError
 from divergence.overrides import sets_to_overrides
 from divergence.recipe import DataConfig, load_recipe
 
-# WikiText-2's layout: punctuation apart, `@-@` and `@,@` joiners, the text's own <unk>. "the" is the most frequent.
+# WikiText-2's layout: punctuation apart, `@-@` and `@,@` joiners, the text's own <unk>, a word with a dot inside
+# (`H.`: one word here, two under a pre-tokenizer that splits punctuation). "the" is the most frequent.
 TEXT = "".join(
-    f" the {w} sat on the mat , and the {w} @-@ cat saw <unk> 1 @,@ {i % 7} . \n"
+    f" the {w} sat on the mat , and the {w} @-@ cat saw <unk> 1 @,@ {i % 7} H. americanus . \n"
     for i, w in enumerate(["cat", "dog", "owl", "the"] * 40)
 )
 
