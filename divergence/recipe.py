@@ -23,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout in a source t
 # null: eager; inductor: fused kernels; inductor+cudagraphs: and CUDA graphs (reduce-overhead); aot_eager, eager:
 # traced but not code-generated (for tests).
 COMPILE_BACKENDS = (None, "inductor", "inductor+cudagraphs", "aot_eager", "eager")
+TOKENIZATIONS = ("bpe", "word")  # data.tokenization: what a trained tokenizer is (data/corpus.py)
 
 
 @dataclass
@@ -33,8 +34,11 @@ class DataConfig:
     root: Optional[str] = None  # where named sources live; else $DIVERGENCE_DATA, ../shared/data, <cache>/text
     hf_split: str = "train"  # split of a hub dataset
     hf_text_field: str = "text"  # column holding the text in a hub dataset
-    tokenizer: Optional[str] = None  # path to a tokenizer.json; None trains byte-level BPE on the corpus
-    vocab_size: int = 4096  # BPE vocabulary size when training the tokenizer
+    tokenizer: Optional[str] = None  # path to a tokenizer.json; None trains one on the corpus (tokenization)
+    # what a trained tokenizer is: bpe (byte-level BPE) | word (one id per whitespace-split word, the rest <unk>;
+    # data/wordlevel.py). A given data.tokenizer wins over both.
+    tokenization: str = "bpe"
+    vocab_size: int = 4096  # a trained tokenizer's size, specials included (word: less if the text has fewer words)
     val_fraction: float = 0.05  # share of the token stream held out (the tail) for validation
     max_chars: Optional[int] = None  # read at most this many characters of text (hub datasets are large)
     # where tokenizers and memory-mapped token ids are cached (a relative path: from the working folder); null:
@@ -42,8 +46,14 @@ class DataConfig:
     cache_dir: Optional[str] = None
 
     def validate(self, where):
-        if self.vocab_size < 260:
+        if self.tokenization not in TOKENIZATIONS:
+            raise RecipeError(f"{_j(where)}tokenization: unknown {self.tokenization!r}; "
+                              f"known: {', '.join(TOKENIZATIONS)}")
+        if self.tokenization == "bpe" and self.vocab_size < 260:
             raise RecipeError(f"{_j(where)}vocab_size: {self.vocab_size} is below 260 (byte-level BPE needs 256 bytes + specials)")
+        if self.tokenization == "word" and self.vocab_size < 3:
+            raise RecipeError(f"{_j(where)}vocab_size: {self.vocab_size} is below 3 "
+                              "(word level: EOT, <unk> and a word)")
         if not 0.0 < self.val_fraction < 0.5:
             raise RecipeError(f"{_j(where)}val_fraction: {self.val_fraction} must lie in (0, 0.5)")
 

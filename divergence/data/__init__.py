@@ -1,4 +1,5 @@
-"""Text -> byte-level BPE -> cached, memory-mapped token ids -> seeded batches, plus corpus statistics."""
+"""Text -> byte-level BPE or word-level tokens -> cached, memory-mapped token ids -> seeded batches, plus corpus
+statistics."""
 from .corpus import Corpus, load_corpus
 from .sampler import Batches
 from .stats import corpus_stats, format_stats

@@ -13,6 +13,7 @@ from ..recipe import DataConfig
 from . import cache
 from .sources import resolve_source
 from .tokenizer import encode, file_sha256, load_tokenizer, tokenizer_path, train_bpe
+from .wordlevel import train_wordlevel
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     if cfg.tokenizer:
         tok_file = tokenizer_path(cfg.tokenizer)
         tok_id = {"file": str(tok_file), "sha256": file_sha256(tok_file)}
-    else:
+    elif cfg.tokenization == "word":
+        tok_file, tok_id = None, {"word": "whitespace", "vocab_size": cfg.vocab_size}
+    else:  # the BPE key as it always was: existing caches stay valid
         tok_file, tok_id = None, {"bpe": "byte-level", "vocab_size": cfg.vocab_size}
     # val_fraction is not in the key: the split is a slice of the cached stream, free to change.
     key = cache.cache_key({"source": source.identity, "max_chars": cfg.max_chars, "tokenizer": tok_id})
@@ -50,9 +53,10 @@ def load_corpus(cfg: DataConfig) -> Corpus:
             tok = load_tokenizer(tok_file)
         else:
             t0, docs = time.perf_counter(), source.read()
-            tok = train_bpe(docs, cfg.vocab_size)
-            log.info("trained byte-level BPE (%d tokens) on %s in %.1f s",
-                     tok.get_vocab_size(), source.description, time.perf_counter() - t0)
+            train, what = (train_wordlevel, "word-level") if cfg.tokenization == "word" else (train_bpe, "byte-level BPE")
+            tok = train(docs, cfg.vocab_size)
+            log.info("trained %s (%d tokens) on %s in %.1f s",
+                     what, tok.get_vocab_size(), source.description, time.perf_counter() - t0)
         cache.save_text(tok_path, tok.to_str())
     if not ids_path.is_file():
         t0, docs = time.perf_counter(), docs if docs is not None else source.read()

@@ -37,7 +37,9 @@ def corpus_stats(corpus: Corpus, tokens_per_step: int) -> dict:
     }
     for k in TOPS:
         d[f"top{k}_share"] = float(freq[:k].sum() / total)
-    d["top_tokens"] = [[corpus.tokenizer.decode([int(i)]), float(counts[i] / total)] for i in order[:5]]
+    # skip_special_tokens=False: a special token among the most frequent (word level's <unk>) shows by name, not as ''
+    d["top_tokens"] = [[corpus.tokenizer.decode([int(i)], skip_special_tokens=False), float(counts[i] / total)]
+                       for i in order[:5]]
     # Rows of the embedding gradient: a token at position t adds one contribution to row x_t.
     d["tokens_per_step"] = int(tokens_per_step)
     d["top_row_per_step"] = d["top1_share"] * tokens_per_step
