@@ -55,7 +55,10 @@ def _save(fig, path, axes=()):
         for hd, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, hd)
     if seen:
-        ncol = min(len(seen), max(2, int(w / 2.3)))  # ~2.3 in per entry at 9 pt
+        # An entry's width at 9 pt: ~0.065 in per character of its label plus ~0.6 in of handle and gap (a
+        # fixed 2.3 in per entry cut the longest labels off a one-optimizer figure).
+        entry = 0.6 + 0.065 * max(len(lab) for lab in seen)
+        ncol = max(1, min(len(seen), int(w / entry)))
         fig.legend(list(seen.values()), list(seen), loc="upper center", ncol=ncol, fontsize=9, frameon=False)
         head = 0.1 + 0.24 * -(-len(seen) // ncol)  # 0.24 in per legend row
     # inches: 0.95 left for tick labels and the y label, 0.35 above each panel for its title, 0.55 below the
