@@ -91,7 +91,8 @@ def shared_arms(arms_cache_dir, monkeypatch):
     """One arms cache (ab/share.py) for the tests that ask for it: an A/B whose reference and null arms another test
     already trained (same recipe, slot and optimizer) trains only its candidate arm. CPU arms are bitwise
     repeatable (tests/test_share.py), so the verdicts are those of fresh arms. Not for tests about the harness arms
-    themselves (that they finish beside a hanging or crashing candidate)."""
+    themselves (that they finish beside a hanging or crashing candidate). The arms arrive as hard links into the
+    session's cache: a test must not write into its arm folders (copy them first), or later tests read its edits."""
     monkeypatch.setenv("DIVERGENCE_ARMS_CACHE", str(arms_cache_dir))
     return arms_cache_dir
 

@@ -90,6 +90,11 @@ def test_killed_run_resumes_to_the_same_verdict(tmp_path):
     assert a["verdict"] == b["verdict"]
     assert a["optimizers"]["sgd"]["verdict"] == b["optimizers"]["sgd"]["verdict"] != "PASS"
     assert a["optimizers"]["sgd"].get("first_step") == b["optimizers"]["sgd"].get("first_step")
+    # The resume kept the run's recipe (its --set too): every arm retrained after the cut is the uncut run's,
+    # byte for byte (CPU arms are bitwise repeatable), so the verdict rests on the same arms.
+    assert a["recipe"] == b["recipe"] and b["recipe"]["train"]["steps"] == 16
+    for m in (tmp_path / "full").glob("sgd/*/metrics.jsonl"):
+        assert m.read_bytes() == (tmp_path / "cut" / m.relative_to(tmp_path / "full")).read_bytes(), m
 
 
 PATCHERS = {  # what the candidate patches: (module, attribute, its body, what the refusal must say)

@@ -318,3 +318,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, tmp_path, capsys):
     assert main(["probe", *argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+def test_a_shared_prepared_builds_each_family_once_per_seed(tmp_path):
+    """Two probes of one slot and seed sharing a Prepared build every family's inputs once (an LRU of 32 entries,
+    smaller than a sweep and scanned in order, rebuilt them all); another seed builds its own."""
+    prep = probe_call.Prepared()
+    run_probe("cross_entropy", "reference", tmp_path / "a", seed=5, device="cpu", prepared=prep)
+    first = len(prep._held)
+    run_probe("cross_entropy", "null-1", tmp_path / "b", seed=5, device="cpu", prepared=prep)
+    assert first > 32 and len(prep._held) == first  # nothing rebuilt, nothing evicted
+    run_probe("cross_entropy", "reference", tmp_path / "c", seed=6, device="cpu", prepared=prep)
+    assert len(prep._held) == 2 * first

@@ -213,11 +213,13 @@ def test_effect_sizes_read_at_any_magnitude():
     assert words.times(float("inf")) == "inf"
 
 
-def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch):
+def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch, tmp_path):
     """In one run the verdict's distances serve the report and wandb, through the run's ArmFiles: none is computed
     twice (each pair reads the arms' snapshots and evaluations, seconds at GPU-recipe sizes); a fresh ArmFiles
-    (another run) computes them afresh."""
+    (another run) computes them afresh. On a copy: the shared tiny A/B stays read-only for the other worker."""
     from divergence.detect import distances as compare
+
+    results = shutil.copytree(results, tmp_path / "r", ignore=shutil.ignore_patterns("wandb"))
 
     calls = []
     real = compare.scalar_distances

@@ -52,8 +52,7 @@ class ArmFiles:
 
     def rows(self, path) -> list:
         """An arm's metrics rows, parsed once per file version."""
-        st = Path(path).stat()
-        return self._rows.get_or((str(path), st.st_mtime_ns, st.st_size), lambda: read_metrics(path))
+        return self._rows.get_or(_file_version(path), lambda: read_metrics(path))
 
     def ref_array(self, path) -> np.ndarray:
         """A reference arm's array (read-only), read once per file version."""
@@ -61,7 +60,7 @@ class ArmFiles:
             a = np.load(path)
             a.flags.writeable = False
             return a
-        return self._refs.get_or((str(path), Path(path).stat().st_mtime_ns), load)
+        return self._refs.get_or(_file_version(path), load)
 
     def distances(self, ref_dir, arm_dir, buckets: dict, smooth: int) -> dict:
         """Every distance of one arm from its reference (see the module's docstring). Treat it as read-only."""
@@ -75,6 +74,13 @@ class ArmFiles:
             d.update(kl_distances(ref_dir, arm_dir, self))
             return d
         return self._memo.get_or(key, compute)
+
+
+def _file_version(path) -> tuple:
+    """A file's identity and version: the inode (a soak hard-links one reference into every cell: one read for
+    all) and its modification time and size (two writes within one timestamp tick still differ in size)."""
+    st = Path(path).stat()
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def distances(ref_dir, arm_dir, buckets: dict, smooth: int, files: ArmFiles = None) -> dict:

@@ -78,7 +78,11 @@ class Prepared:
     makes one), or several probes of one seed (the tests, the calibration table), which then build each input and
     its oracle once. A forked worker inherits its parent's; a spawned one builds its own."""
 
-    KEEP = 32  # about two sweeps of one slot (at most about 0.25 GB here); fresh seeds never hit
+    # Whole sweeps: one slot's is 40 (cross_entropy) to 139 (rmsnorm_backward) entries on the CPU, and an LRU
+    # scanned in order keeps nothing when it is smaller (at 32 a second probe of the same seed rebuilt every
+    # entry). The sweeps of four slots held 357 MiB (2026-11-23, CPU); a second probe of a slot then took
+    # 0.8-1.8 s against 1.4-2.2 s. Fresh seeds never hit.
+    KEEP = 1024
     KEEP_BYTES = 4 << 30  # and at most ~4 GiB: at declared production shapes one entry holds 3.5 GiB (an fp64
     #                       oracle of 65,536 x 4096 is 2 GiB), beside training arms on the same GPU
 
@@ -87,7 +91,11 @@ class Prepared:
 
     def get(self, contract, fam, seed, device, again=False) -> tuple:
         """(case, oracle outputs, reference outputs) of one draw of a family."""
-        key = (contract.name, fam.name, fam.shape_str(), seed, device, again)
+        # The build function is part of the key: declared-shape families reuse the synthetic families' names
+        # (uniform, one-token, ...) with other inputs, and could share a shape with them.
+        f = getattr(fam.build, "func", fam.build)  # a functools.partial: its function
+        build = f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__name__)}"
+        key = (contract.name, fam.name, build, fam.shape_str(), seed, device, again)
         hit = self._held.get(key)
         if hit is not None:
             self._held.move_to_end(key)
