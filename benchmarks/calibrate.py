@@ -114,6 +114,11 @@ def main(argv=None) -> int:
     from divergence.train.metrics import dumps
 
     (out / "calibrate.json").write_text(dumps({**summary, "wall_s": round(wall, 1), "soak": soak}, indent=1) + "\n")
+    # The arms' distances, a few MB where the arms are GBs: any other rule can be judged on them later
+    # (benchmarks/rejudge.py judge OUT/distances.json.gz --nulls K --lead L), without the GPU.
+    from rejudge import dump_soak
+
+    print(f"distances of {dump_soak(out / 'soak', out / 'distances.json.gz')} arms: {out / 'distances.json.gz'}")
     return 0 if not fp and not missed and not summary["errors"] else 1
 
 

@@ -100,6 +100,14 @@ def _resample(arms: dict, seeds: list, args):
 
 
 def dump(args) -> int:
+    n = dump_soak(Path(args.soak), Path(args.out))
+    print(f"dumped {n} arms to {args.out}")
+    return 0
+
+
+def dump_soak(soak: Path, out_path: Path) -> int:
+    """Every arm's distances from its reference, of a calibration's soak folder, into one gzipped JSON; returns how
+    many arms."""
     from divergence.detect.buckets import bucket_rows
     from divergence.detect.distances import ArmFiles
     from divergence.data import load_corpus
@@ -107,7 +115,7 @@ def dump(args) -> int:
     from divergence.train.arm import model_vocab
 
     out, files, ctx = {}, ArmFiles(), None
-    for plan_f in sorted(Path(args.soak).rglob("plan.json")):
+    for plan_f in sorted(soak.rglob("plan.json")):
         cell, plan = plan_f.parent, json.loads(plan_f.read_text())
         if not (cell / "verdict.json").exists():
             continue
@@ -124,10 +132,9 @@ def dump(args) -> int:
                     d = files.distances(opt_dir / "reference", arm, *ctx)
                     out[key] = {m: {k: [float(x) for x in v[k]] for k in ("steps", "dist", "signed")}
                                 for m, v in d.items() if not m.startswith("_")}
-    with gzip.open(args.out, "wt") as f:
+    with gzip.open(out_path, "wt") as f:
         json.dump(out, f)
-    print(f"dumped {len(out)} arms to {args.out}")
-    return 0
+    return len(out)
 
 
 def main(argv=None) -> int:

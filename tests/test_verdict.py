@@ -337,3 +337,21 @@ def test_rejudge_counts_known_good_findings_under_the_rule_asked_for(tmp_path, c
     rejudge(["judge", str(p), "--lead", "5"])
     out = capsys.readouterr().out
     assert "0 of 1 known-good A/Bs with a finding" in out and "triton_embed_bf16 " in out and "known-bad: FINDING" in out
+
+
+def test_calibration_run_leaves_distances_any_rule_can_rejudge(tmp_path, capsys):
+    """calibrate.py on the CPU (one slot, one seed, 10 steps): its A/Bs, its verdicts, and the arms' distances that
+    rejudge.py judges again under another rule without training."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calibrate import main as calibrate
+    from rejudge import main as rejudge
+
+    out = tmp_path / "cal"
+    calibrate(["--recipe", "tiny", "--seeds", "0", "--steps", "10", "--slots", "attn_softcap", "--out", str(out)])
+    assert json.loads((out / "calibrate.json").read_text())["known_good"] == 1
+    capsys.readouterr()
+    rejudge(["judge", str(out / "distances.json.gz"), "--nulls", "2", "--lead", "0"])
+    text = capsys.readouterr().out
+    assert "0 of 1 known-good A/Bs with a finding" in text and "softcap_omitted" in text
