@@ -209,7 +209,12 @@ def _become_worker(log_path, device):
     sys.stdout = sys.stderr = log
     import faulthandler
 
-    faulthandler.enable(file=log)  # a segfault's Python stack, for whoever reads the log
+    # A segfault's Python stack, for whoever reads the log. Disabled first: enable() on an already enabled
+    # faulthandler only changes its file and leaves the signal handlers alone, and a parent that ran Lightning's
+    # fit or ray.init has had SIGSEGV taken over since, so the dump never came (2026-11-23: the worker's log stayed
+    # empty after the rest of the test suite; a fork after one `Trainer.fit` reproduces it).
+    faulthandler.disable()
+    faulthandler.enable(file=log)
     if device == "cpu":
         torch.set_num_threads(1)  # as the parent's sweep (run.py): these ops are small
 
