@@ -149,23 +149,25 @@ def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
     assert not np.array_equal(a, b)
 
 
-def test_multithreaded_cpu_arms_do_not_hang_after_multithreaded_torch_here(tmp_path):
+def test_multithreaded_cpu_arms_do_not_hang_after_multithreaded_torch_here(tmp_path, tiny_corpus):
     """Found by running a GPU recipe on the CPU: with the preflight probe on (its capture trains in this process at
     the recipe's threads) and train.threads=2, forked arms hung in their first parallel region (GNU OpenMP is not
     fork-safe) and the correct candidate ended TIMEOUT, exit 1. Such arms are spawned now. The capture may be
-    cached by another test, so this process's OpenMP pool is started here, as the capture started it."""
-    import torch
+    cached by another test, so this process's OpenMP pool is started here, as the capture started it; the arm is
+    a candidate arm, whose lockstep oracle is where the hang showed."""
+    from divergence.ab.runner import Job, run_jobs
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec
 
+    recipe = load_recipe("tiny", {"train": {"threads": 2, "steps": 8}, "ab": {"step_timeout_s": 30}})
+    cand = "zoo:embed_chunked_fp32"
+    spec = ArmSpec(name="candidate", optimizer="sgd", kernels={"fused_embed_rmsnorm": cand},
+                   lockstep="fused_embed_rmsnorm")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         torch.randn(1 << 22).exp_().sum()  # a parallel region: this process now has a pool of 2 threads
-        code = main(["ab", "--kernel", "fused_embed_rmsnorm", "--candidate", "zoo:embed_chunked_fp32", "--recipe",
-                     "tiny", "--optimizers", "sgd", "--out", str(tmp_path / "ab"), "--no-wandb", "--no-probe",
-                     "--set", "train.threads=2", "--set", "train.steps=8", "--set", "ab.step_timeout_s=30",
-                     "--set", "ab.nulls=1", "--set", "ab.workers=3"])
+        done = run_jobs(recipe, [Job("sgd/candidate", tmp_path / "arm", spec)], tiny_corpus, "cpu", 1)
     finally:
         torch.set_num_threads(threads)
-    v = json.loads((tmp_path / "ab" / "verdict.json").read_text())
-    assert {k: a["status"] for k, a in v["arms"].items()} == dict.fromkeys(v["arms"], "OK")
-    assert code == 0 and v["verdict"] == "PASS"
+    assert done["sgd/candidate"]["status"] == "OK", done["sgd/candidate"]
