@@ -89,7 +89,7 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start):
     os.dup2(log.fileno(), 1)  # at the descriptor level: a segfault's dump and C++ prints land in the log too
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    faulthandler.disable()  # re-arms the signal handlers, which a parent's Lightning or Ray took over (probe/isolate.py)
+    faulthandler.disable()  # re-arms its signal handlers, which a parent's Lightning or Ray took (probe/isolate.py)
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
     from ..detect.lockstep import Lockstep
     from ..train.arm import run_arm
