@@ -67,9 +67,9 @@ def excess(d: np.ndarray, env: np.ndarray, floor: float, window: int) -> np.ndar
 def ahead(env: np.ndarray, steps: np.ndarray, lead: int) -> np.ndarray:
     """The envelope as it stands `lead` steps later: a candidate may decorrelate from the reference up to `lead`
     steps before the first null does. Why: on the H200 free-running arms leave the reference in a burst whose
-    onset varies by a few steps from arm to arm (SGD, seed 3: three correct arms at 0.03 at step 28 and 0.7-0.8 at
-    step 32, the other eight at 0.04-0.08, all alike from step 40); judged step by step, an early onset alone was
-    5-6x the envelope. Over 132 resampled judgements of correct arms (2 seeds x 11 correct arms x 6 subsets of 4
+    onset varies by a few steps from arm to arm (gradient-norm distance, SGD, seed 3: null-5 and null-7 went from
+    0.035 at step 28 to 0.69-0.83 at step 32, null-6 to 0.29, the eight others stayed at 0.004-0.08 until then,
+    and all were alike from step 40); judged step by step, an early onset alone was 5-6x the envelope. Over 132 resampled judgements of correct arms (2 seeds x 11 correct arms x 6 subsets of 4
     nulls, H200, 2026-11-23; benchmarks/rejudge.py) a lead of 5 steps took the findings from 5 to 1 at margin 3,
     and over 21 known-good A/Bs from 3 to 0 (README.md, Calibration on the H200)."""
     if lead <= 0 or len(env) == 0:
