@@ -117,7 +117,7 @@ GEN = torch.Generator().manual_seed(0)
 def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
     # fp32 accumulation, then a relative perturbation of rms SIGMA per element before the bf16 cast: a steady
     # error of about sqrt(SIGMA^2 + 1.66e-3^2), i.e. 2.5x the reference's (its error is the bf16 cast alone).
-    dh, gw = f._row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
+    dh, gw = f.row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
     ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float32)
     ge.index_add_(0, input_ids.reshape(-1), dh)
     ge = ge * (1 + SIGMA * torch.randn(ge.shape, generator=GEN))

@@ -22,7 +22,9 @@ INPUTS = ("grad_output", "input_ids", "hidden_states_fp32", "rstd", "norm_weight
 OUTPUTS = ("grad_embed_weight", "grad_norm_weight")
 
 
-def _row_grads(grad_output, hidden, rstd, norm_weight, dtype):
+def row_grads(grad_output, hidden, rstd, norm_weight, dtype):
+    """Per-token embedding-row gradients (tokens x hidden) and the norm weight's gradient, computed in `dtype`: the
+    RMSNorm backward every implementation of this slot shares before its scatter (the zoo's members call it too)."""
     g = grad_output.to(dtype) * norm_weight.to(dtype)
     h = hidden.to(dtype)
     r = rstd.to(dtype)
@@ -33,14 +35,14 @@ def _row_grads(grad_output, hidden, rstd, norm_weight, dtype):
 
 def reference(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
     """fp32 accumulation (index_add_ into an fp32 buffer), cast to bf16 at the end."""
-    dh, gw = _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
+    dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
     ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float32, device=dh.device)
     ge.index_add_(0, input_ids.reshape(-1), dh)
     return ge.to(torch.bfloat16), gw.to(torch.bfloat16)
 
 
 def oracle(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
-    dh, gw = _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float64)
+    dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float64)
     ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float64, device=dh.device)
     ge.index_add_(0, input_ids.reshape(-1), dh)
     return ge, gw

@@ -20,7 +20,7 @@ from . import attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm
 
 def _embed_permuted(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
     """fp32 index_add in reversed token order: the same sums, another summation order."""
-    dh, gw = fused_embed_rmsnorm._row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
+    dh, gw = fused_embed_rmsnorm.row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
     ids = input_ids.reshape(-1).flip(0)
     ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float32, device=dh.device)
     ge.index_add_(0, ids, dh.flip(0))
@@ -149,7 +149,7 @@ def _embed_family(k):
     perm = _Orders(k)
 
     def fn(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
-        dh, _ = fused_embed_rmsnorm._row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
+        dh, _ = fused_embed_rmsnorm.row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
         p = perm(dh.shape[0], dh.device)
         ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float32, device=dh.device)
         ge.index_add_(0, input_ids.reshape(-1)[p], dh[p])

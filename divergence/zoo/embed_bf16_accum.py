@@ -16,15 +16,7 @@ largest count of one id (about 1,000 at 16k word-level tokens); the CPU model's 
 """
 import torch
 
-
-def _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight):
-    hidden = hidden_states_fp32.shape[-1]
-    go = grad_output.float().reshape(-1, hidden)
-    h = hidden_states_fp32.float().reshape(-1, hidden)
-    r = rstd.float().reshape(-1, 1)
-    g = go * norm_weight.float()
-    dh = r * (g - h * r * r * (g * h).mean(-1, keepdim=True))
-    return dh, (go * h * r).sum(0)
+from divergence.slots.fused_embed_rmsnorm import row_grads
 
 
 def _bf16_rounds(acc, ids, src):
@@ -58,7 +50,7 @@ def _bf16_rounds(acc, ids, src):
 
 
 def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, grad_embed_weight, grad_norm_weight):
-    dh, gw = _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight)
+    dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
     ids = input_ids.reshape(-1)
     grad_embed_weight.zero_()
     src = dh.to(torch.bfloat16)

@@ -9,17 +9,9 @@ check), and the lockstep re-run on the real inputs of successive training steps.
 """
 import torch
 
+from divergence.slots.fused_embed_rmsnorm import row_grads
+
 _CACHE = {}  # module-level state that persists between calls: what the reuse check is for
-
-
-def _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight):
-    hidden = hidden_states_fp32.shape[-1]
-    go = grad_output.float().reshape(-1, hidden)
-    h = hidden_states_fp32.float().reshape(-1, hidden)
-    r = rstd.float().reshape(-1, 1)
-    g = go * norm_weight.float()
-    dh = r * (g - h * r * r * (g * h).mean(-1, keepdim=True))
-    return dh, (go * h * r).sum(0)
 
 
 def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, grad_embed_weight, grad_norm_weight):
@@ -27,7 +19,7 @@ def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, grad_embe
                                                          norm_weight)) + (grad_embed_weight.shape[0],)
     hit = _CACHE.get(key)
     if hit is None:
-        dh, gw = _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight)
+        dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
         acc = torch.zeros(grad_embed_weight.shape[0], dh.shape[-1], dtype=torch.float32, device=dh.device)
         acc.index_add_(0, input_ids.reshape(-1), dh)
         hit = (acc.to(torch.bfloat16), gw.to(torch.bfloat16))

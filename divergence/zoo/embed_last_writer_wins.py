@@ -8,19 +8,11 @@ Caught by: the op-level check on any ids with repeats (real text: the frequent r
 """
 import torch
 
-
-def _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight):
-    hidden = hidden_states_fp32.shape[-1]
-    go = grad_output.float().reshape(-1, hidden)
-    h = hidden_states_fp32.float().reshape(-1, hidden)
-    r = rstd.float().reshape(-1, 1)
-    g = go * norm_weight.float()
-    dh = r * (g - h * r * r * (g * h).mean(-1, keepdim=True))
-    return dh, (go * h * r).sum(0)
+from divergence.slots.fused_embed_rmsnorm import row_grads
 
 
 def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, grad_embed_weight, grad_norm_weight):
-    dh, gw = _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight)
+    dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
     ids = input_ids.reshape(-1)
     vocab = grad_embed_weight.shape[0]
     pos = torch.arange(ids.numel(), device=ids.device)

@@ -10,21 +10,13 @@ the synthetic families at gradients of 1e-3 pass it.
 """
 import torch
 
+from divergence.slots.fused_embed_rmsnorm import row_grads
+
 THRESHOLD = 1e-6
 
 
-def _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight):
-    hidden = hidden_states_fp32.shape[-1]
-    go = grad_output.float().reshape(-1, hidden)
-    h = hidden_states_fp32.float().reshape(-1, hidden)
-    r = rstd.float().reshape(-1, 1)
-    g = go * norm_weight.float()
-    dh = r * (g - h * r * r * (g * h).mean(-1, keepdim=True))
-    return dh, (go * h * r).sum(0)
-
-
 def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, grad_embed_weight, grad_norm_weight):
-    dh, gw = _row_grads(grad_output, hidden_states_fp32, rstd, norm_weight)
+    dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float32)
     dh = torch.where(dh.abs() < THRESHOLD, torch.zeros_like(dh), dh)  # the bug: "too small to matter"
     acc = torch.zeros(grad_embed_weight.shape, dtype=torch.float32, device=dh.device)
     acc.index_add_(0, input_ids.reshape(-1), dh)
