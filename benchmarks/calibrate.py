@@ -52,6 +52,10 @@ def _seeds(text: str) -> list:
     return out
 
 
+# The known-bad candidates: the GPU pair (Triton on CUDA) and their CPU twins.
+KNOWN_BAD = {"gpu": ("triton_embed_bf16", "triton_softcap_omitted"), "cpu": ("embed_bf16_accum", "softcap_omitted")}
+
+
 def candidates(cuda_triton: bool, nulls: int, extra_nulls: int, slots=None) -> tuple:
     """(known-good cells, known-bad cells), each {"kernel", "candidate"}; `slots` keeps only those slots."""
     from divergence.slots import SLOTS
@@ -64,8 +68,7 @@ def candidates(cuda_triton: bool, nulls: int, extra_nulls: int, slots=None) -> t
     good = [{"kernel": e.slot, "candidate": f"zoo:{n}"} for n, e in ZOO.items()
             if e.verdict == "good" and (cuda_triton or not e.gpu_only)]
     good += [{"kernel": s, "candidate": f"null-{nulls + k}"} for s in SLOTS for k in range(1, extra_nulls + 1)]
-    bad = ["triton_embed_bf16", "triton_softcap_omitted"] if cuda_triton else ["embed_bf16_accum", "softcap_omitted"]
-    bad = [{"kernel": ZOO[n].slot, "candidate": f"zoo:{n}"} for n in bad]
+    bad = [{"kernel": ZOO[n].slot, "candidate": f"zoo:{n}"} for n in KNOWN_BAD["gpu" if cuda_triton else "cpu"]]
     return [c for c in good if c["kernel"] in keep], [c for c in bad if c["kernel"] in keep]
 
 
@@ -95,7 +98,9 @@ def main(argv=None) -> int:
         return _combine([Path(d) for d in args.combine])
     recipe = load_recipe(args.recipe)
     nulls = args.nulls or recipe.ab.nulls
-    cuda_triton = torch.cuda.is_available() and _has_triton()
+    from divergence.zoo import has_triton
+
+    cuda_triton = torch.cuda.is_available() and has_triton()
     good, bad = candidates(cuda_triton, nulls, args.extra_nulls, args.slots and args.slots.split(","))
     if args.only == "good":
         bad = []
@@ -241,14 +246,6 @@ def _report(cells: list, goods: list, bads: list) -> tuple:
                "errors": len(errors), "known_bad": [{"candidate": c, "seed": s, "verdict": v["verdict"], **caught(v)}
                                                     for k, c, s, v in bads]}
     return summary, fp, missed
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

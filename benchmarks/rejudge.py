@@ -29,9 +29,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from divergence.detect import verdict as V  # noqa: E402
+from divergence.ab.run import judge_context, judge_optimizer  # noqa: E402
 
-BAD = ("zoo:triton_embed_bf16", "zoo:triton_softcap_omitted", "zoo:embed_bf16_accum", "zoo:softcap_omitted")
+from calibrate import KNOWN_BAD  # noqa: E402  (benchmarks/ is on the path: this file's folder)
+
+BAD = tuple(f"zoo:{n}" for pair in KNOWN_BAD.values() for n in pair)
 
 
 def _arrays(arm: dict) -> dict:
@@ -50,9 +52,7 @@ def judge_one(arms: dict, seed: str, cand: str, nulls: list, opts: list, rule) -
     """(any finding, [(optimizer, largest critical margin, margin used)]) of one candidate against `nulls`."""
     found, detail = False, []
     for o in opts:
-        ns = [arms[f"{seed}/{o}/{n}"] for n in nulls]
-        cal = V.calibrate(ns, rule.margin, rule.window, rule.lead)
-        res = V.judge_arm(arms[f"{seed}/{o}/{cand}"], ns, cal["margin"], rule.window, rule.lead)
+        cal, res = judge_optimizer(arms[f"{seed}/{o}/{cand}"], [arms[f"{seed}/{o}/{n}"] for n in nulls], rule)
         found |= any(r["flagged"] for r in res)
         detail.append((o, max((r["critical_margin"] or 0.0) for r in res), cal["margin"]))
     return found, detail
@@ -108,7 +108,6 @@ def dump(args) -> int:
 def dump_soak(soak: Path, out_path: Path) -> int:
     """Every arm's distances from its reference, of a calibration's soak folder, into one gzipped JSON; returns how
     many arms."""
-    from divergence.detect.buckets import bucket_rows
     from divergence.detect.distances import ArmFiles
     from divergence.data import load_corpus
     from divergence.recipe import load_recipe
@@ -122,7 +121,7 @@ def dump_soak(soak: Path, out_path: Path) -> int:
         if ctx is None:  # one recipe per calibration: corpus, buckets and smoothing once
             rec = load_recipe(plan["recipe_path"], plan.get("overrides") or {})
             corpus = load_corpus(rec.data)
-            ctx = (bucket_rows(corpus.rank, model_vocab(rec, corpus)), max(1, rec.train.steps // 50))
+            ctx = judge_context(rec, corpus, model_vocab(rec, corpus))
         seed = plan.get("overrides", {}).get("seed")
         for opt_dir in sorted(p for p in cell.iterdir() if (p / "reference").is_dir()):
             for arm in sorted(a for a in opt_dir.iterdir() if a.is_dir() and a.name != "reference"):

@@ -130,7 +130,7 @@ def test_compiled_lockstep_metrics_equal_the_eager_ones():
     inputs, cand_out = _embed_inputs()
     eager, compiled = _lockstep(None), _lockstep("inductor")
     assert compiled.compiled and not eager.compiled
-    a, b = eager._check(inputs, cand_out), compiled._check(inputs, cand_out)
+    a, b = eager._check(inputs, cand_out, inputs), compiled._check(inputs, cand_out, inputs)
     assert compiled.compile_fallback is None
     assert len(a) == len(eager.keys) and torch.allclose(a, b, rtol=1e-9, atol=0)
     vals = dict(zip(eager.keys, a.tolist()))
@@ -145,7 +145,7 @@ def test_a_failing_compiled_check_falls_back_to_eager_and_says_so():
         raise RuntimeError("CompilationError: at 18:4: boom")
 
     lk.measure = broken
-    row = lk._check(inputs, cand_out)
-    assert torch.equal(row, _lockstep(None)._check(inputs, cand_out))  # checked all the same
+    row = lk._check(inputs, cand_out, inputs)
+    assert torch.equal(row, _lockstep(None)._check(inputs, cand_out, inputs))  # checked all the same
     s = lk.summary()
     assert not s["compiled_metrics"] and "CompilationError" in s["compile_fallback"] and s["error"] is None

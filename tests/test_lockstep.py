@@ -102,7 +102,7 @@ def test_several_calls_in_one_step_are_judged_call_by_call():
     import math
 
     lk, kernels, calls = _two_layer_calls()
-    alone = [lk._check(i, (o,)).tolist() for i, o in calls]
+    alone = [lk._check(i, (o,), i).tolist() for i, o in calls]
     lk.mutation = None
     for i, o in calls:
         kernels("rmsnorm", *i)  # the candidate's call, watched: the check's copy of its inputs, then the tap
@@ -125,7 +125,7 @@ def test_per_call_judgement_catches_one_bad_call_among_good_ones():
     from divergence.detect.rule import within
 
     lk, kernels, calls = _two_layer_calls()
-    alone = [dict(zip(lk.keys, lk._check(i, (o,)).tolist())) for i, o in calls]
+    alone = [dict(zip(lk.keys, lk._check(i, (o,), i).tolist())) for i, o in calls]
     lk.mutation = None
     for i, o in calls:
         kernels("rmsnorm", *i)  # the candidate's call, watched

@@ -220,12 +220,23 @@ def _preflight(slot, cand, out, recipe, device):
     return res
 
 
+def judge_context(recipe, corpus, vocab: int) -> tuple:
+    """(frequency buckets of the embedding rows, smoothing in steps): what every distance of one run is taken with."""
+    return bucket_rows(corpus.rank, vocab), max(1, recipe.train.steps // 50)
+
+
+def judge_optimizer(cand_d: dict, null_d: list, rule) -> tuple:
+    """(leave-one-out calibration, per-metric results) of one optimizer's candidate against its null arms, under
+    `rule` (recipe.ab, or anything with margin, window and lead: benchmarks/rejudge.py)."""
+    cal = verdict.calibrate(null_d, rule.margin, rule.window, rule.lead)
+    return cal, (verdict.judge_arm(cand_d, null_d, cal["margin"], rule.window, rule.lead) if cand_d else [])
+
+
 def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None,
           files=None) -> dict:
     """verdict.json's content; `files`: the run's compare.ArmFiles (a fresh one if None)."""
     files = files or compare.ArmFiles()
-    buckets = bucket_rows(corpus.rank, vocab)
-    smooth = max(1, recipe.train.steps // 50)
+    buckets, smooth = judge_context(recipe, corpus, vocab)
     per_opt, drift_tables = {}, {}
     for opt in opts:
         ref_dir = out / opt / "reference"
@@ -244,9 +255,7 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         null_d = [files.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = files.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
             if cand_st.get("status") == "OK" else {}
-        ab = recipe.ab
-        cal = verdict.calibrate(null_d, ab.margin, ab.window, ab.lead)
-        metrics = verdict.judge_arm(cand_d, null_d, cal["margin"], ab.window, ab.lead) if cand_d else []
+        cal, metrics = judge_optimizer(cand_d, null_d, recipe.ab)
         v = verdict.optimizer_verdict(cand_st, metrics)
         v["metrics"] = metrics
         v["calibration"] = cal

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..candidates.contain import describe_exit, die_with_parent, last_words
+from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ..train.metrics import write_json
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
@@ -110,12 +110,6 @@ def _progress_mark(out_dir: Path):
 
 def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
     """Run every job not already finished; returns {key: arm info}. Finished arms (from --resume) are kept."""
-    # A CPU arm of more than one thread is spawned too: GNU OpenMP is not fork-safe, and once this process has run
-    # multi-threaded torch (the preflight probe's capture trains at the recipe's threads) a forked arm's first
-    # parallel region waits forever for threads that were not forked (2026-11-23, 2-core CPU: `tiny` at
-    # train.threads=2 with the probe on, the candidate's arm hung in its lockstep oracle: TIMEOUT, exit 1, against a
-    # correct kernel). One-thread arms (the tests', `tiny`'s, `small`'s) never start a pool: forked, milliseconds.
-    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     gpus = visible_gpus() if device == "cuda" else []
     if device != "cuda":
         # Import once here so every forked arm inherits it: `import lightning.pytorch` alone takes 5-20 s on
@@ -125,15 +119,15 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
     running, draining = {}, []  # draining: (process, deadline) of finished arms whose process has not exited
     try:
         with _StopRequests() as stop:
-            _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, workers, on_done, stop)
+            _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop)
     except BaseException:  # Ctrl-C, SIGTERM or a harness error: no arm process outlives the scheduler
         for proc in [entry[1] for entry in running.values()] + [proc for proc, _ in draining]:
-            _kill(proc)
+            kill_group(proc)
         raise
     return results
 
 
-def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, workers, on_done, stop):
+def _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop):
     def retire(job, st):
         results[job.key] = st
         if on_done:
@@ -144,7 +138,7 @@ def _loop(recipe, queue, running, draining, results, ctx, gpus, corpus, device, 
             raise KeyboardInterrupt
         _reap(draining)
         while queue and len(running) < workers:
-            _start(queue.pop(0), recipe, running, ctx, gpus, corpus, device)
+            _start(queue.pop(0), recipe, running, gpus, corpus, device)
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire)
@@ -154,20 +148,24 @@ def _reap(draining: list):
     """Finished arms' processes: reaped when gone, killed when they linger past their deadline."""
     for proc, deadline in list(draining):
         if not proc.is_alive() or time.time() > deadline:
-            _kill(proc)  # its whole group: whatever the candidate started and left running goes too
+            kill_group(proc)  # its whole group: whatever the candidate started and left running goes too
             draining.remove((proc, deadline))
 
 
-def _start(job, recipe, running: dict, ctx, gpus: list, corpus, device: str):
+def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
     # An interrupted attempt starts over in an empty folder: its files may be hard links shared with the
     # arms cache or another cell (ab/share.py), which writing in place would change there too.
     shutil.rmtree(job.out_dir, ignore_errors=True)
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
     gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
     arm_recipe = job.recipe or recipe
+    # Spawned: CUDA arms (CUDA does not survive a fork) and CPU arms of more than one thread. GNU OpenMP is not
+    # fork-safe: once this process has run multi-threaded torch (the preflight probe's capture trains at the
+    # recipe's threads) a forked arm's first parallel region waits forever for threads that were not forked
+    # (2026-11-23, 2-core CPU: `tiny` at train.threads=2 with the probe on, the candidate's arm hung in its lockstep
+    # oracle: TIMEOUT, exit 1, against a correct kernel). One-thread arms never start a pool: forked, milliseconds.
     fresh = device == "cuda" or arm_recipe.train.threads > 1
-    if fresh:  # a spawned arm loads the corpus from its cache itself
-        ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if fresh else "fork")  # a spawned arm loads the corpus from its cache itself
     proc = ctx.Process(target=_child, args=(arm_recipe, job.spec, str(job.out_dir), None if fresh else corpus, gpu,
                                             time.time()),
                        daemon=False)
@@ -184,7 +182,7 @@ def _check(key: str, running: dict, draining: list, ab, retire):
         _watch(key, running, draining, ab, retire, now)
         return
     proc.join()
-    _kill(proc)  # processes the candidate left behind in the arm's group
+    kill_group(proc)  # processes the candidate left behind in the arm's group
     st = arm_status(job.out_dir) or {}
     if st.get("status") not in DONE:
         said = last_words(Path(job.out_dir) / "stdout.log")
@@ -216,7 +214,7 @@ def _watch(key: str, running: dict, draining: list, ab, retire, now: float):
     elif now - t0 > ab.arm_timeout_s:
         reason = f"arm ran longer than {ab.arm_timeout_s:.0f} s (ab.arm_timeout_s)"
     if reason:
-        _kill(proc)
+        kill_group(proc)
         del running[key]
         retire(job, _finish(job, "TIMEOUT", reason))
 
@@ -244,14 +242,6 @@ def visible_gpus() -> list:
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def _kill(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.join(5)
 
 
 def _finish(job, status, error) -> dict:

@@ -182,7 +182,4 @@ def kl_distances(ref_dir, arm_dir, files: ArmFiles) -> dict:
 
 def _version(arm_dir) -> tuple:
     p = Path(arm_dir) / "metrics.jsonl"
-    if not p.exists():
-        return (None,)
-    st = p.stat()
-    return (st.st_mtime_ns, st.st_size)
+    return _file_version(p) if p.exists() else (None,)

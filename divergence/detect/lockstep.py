@@ -112,7 +112,7 @@ class Lockstep:
             what = globalstate.put_back(state)
             if what:
                 self.global_state = self.global_state or what
-        if not self._due() or given is None or given[0] != step:
+        if given is None or given[0] != step:  # `before` set it only on a due step
             return
         try:
             with torch.no_grad():
@@ -130,18 +130,17 @@ class Lockstep:
             row = torch.where(self.is_sum, row + prev, torch.where(worse, row, prev))
         self.rows[step] = row
 
-    def _check(self, inputs, cand, live=None) -> torch.Tensor:
+    def _check(self, inputs, cand, live) -> torch.Tensor:
         """One call's metrics: `inputs` as the candidate got them, `cand` its outputs, `live` its input tensors
-        after it ran (None: not checked for writes)."""
+        after it ran."""
         ctx = {k: self.kernels.context[k] for k in self.contract.context}
         ref_out = as_tuple(self.contract.reference(*inputs, **ctx))
-        if live is not None:
-            # Did the candidate write into an input? Bit for bit against the copy taken before it ran (bitwise.py:
-            # the probe's rule too); device flags, read once at the end.
-            if self.tensor_names is None:
-                self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
-            changed = torch.stack([bitwise.changed(a, b) for a, b in zip(live, inputs) if isinstance(a, torch.Tensor)])
-            self.mutation = changed if self.mutation is None else self.mutation | changed
+        # Did the candidate write into an input? Bit for bit against the copy taken before it ran (bitwise.py: the
+        # probe's rule too); device flags, read once at the end.
+        if self.tensor_names is None:
+            self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
+        changed = torch.stack([bitwise.changed(a, b) for a, b in zip(live, inputs) if isinstance(a, torch.Tensor)])
+        self.mutation = changed if self.mutation is None else self.mutation | changed
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
         if self.order is not None and self.order.device != cand[0].device:  # once: no copy to the device per step
             self.order = self.order.to(cand[0].device)

@@ -21,20 +21,8 @@ VERDICT_WORDS = {
     "INCONCLUSIVE": "no finding, but a check did not run to its end or had too little to judge",
 }
 
-# What each word of the verdict promises (README.md, "What the verdict promises", says the same at length).
-SIGNAL_WORDS = {
-    "PASS": "ran to its end and saw nothing beyond its rule",
-    "FINDING": "saw the candidate break its rule",
-    "INCONCLUSIVE": "did not run to its end, or had too little to judge: no evidence either way",
-    "SKIPPED": "turned off by the recipe or the command line",
-}
 SIGNAL_NAMES = {"ab": "A/B training against the null arms", "lockstep": "lockstep check on live inputs",
                 "probe": "preflight probe against the float64 oracle"}
-
-
-def signal_sentence(name: str, sig: dict) -> str:
-    """One signal in one line: what it is, its word, why."""
-    return f"{SIGNAL_NAMES.get(name, name)}: {sig.get('verdict')} ({sig.get('reason') or 'no reason recorded'})"
 
 
 def metric_words(metric: str) -> str:

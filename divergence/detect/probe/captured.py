@@ -171,6 +171,7 @@ def _optimizer(recipe) -> str:
 def capture(recipe, device: str) -> dict:
     """Train the capture run and write one file per slot; returns {"seconds", "folder"}."""
     from ...train.arm import ArmSpec, run_arm
+    from ...train.metrics import read_metrics
     from ...train.quiet import quiet_lightning
     import lightning.pytorch  # noqa: F401 -- its import sets its loggers to INFO: quieten them after it
 
@@ -188,11 +189,7 @@ def capture(recipe, device: str) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix="divergence-capture-") as tmp:
             info = run_arm(recipe, spec, tmp, progress=False, watcher=watcher)
-            losses = {}
-            for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines():
-                row = json.loads(line)
-                if "loss" in row:
-                    losses[row["step"]] = row["loss"]
+            losses = {r["step"]: r["loss"] for r in read_metrics(Path(tmp) / "metrics.jsonl") if "loss" in r}
     finally:
         torch.set_num_threads(threads)  # run_arm sets the recipe's; the probe keeps its own
     seconds = time.perf_counter() - t0

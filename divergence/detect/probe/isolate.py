@@ -35,6 +35,7 @@ from ...candidates import globalstate
 from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ...errors import CandidateError
 from .. import bitwise
+from . import checks
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None, 
     call.Prepared when forked (its families built there), else None: built here."""
     _become_worker(log_path, device)
     from ...slots import SLOTS
-    from . import call, checks  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
+    from . import call  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
 
     loaded = _load(conn, slot, spec, device, fams, names, rebuild)
     if loaded is None:
@@ -248,7 +249,6 @@ def _load(conn, slot, spec, device, fams, names, rebuild):
 def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destination, prepared) -> bool:
     """One family: "prepared" (its input elements) then "done" (findings, seconds, fatal) sent to the parent;
     returns fatal (the worker must exit: a CUDA error left its context unusable)."""
-    from . import checks
     from .call import probe_family as _probe_family
 
     case = prepared.get(contract, fam, seed, device)[0]
@@ -311,9 +311,9 @@ class _Watch:
         for (name, x), was in zip(named, seen):
             if bool(bitwise.changed(x, was)):  # bit for bit (bitwise.py): a NaN written over a 0 is a write
                 kind = "output" if name in self.contract.outputs else "input"
-                self.findings.append({"check": "late_write", "output": name, "error": None, "allowed": None,
-                                      "detail": f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the "
-                                                "candidate returned (a kernel or thread still writing)"})
+                self.findings.append(checks._finding(
+                    "late_write", name, f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the candidate "
+                                        "returned (a kernel or thread still writing)"))
         return out
 
 
@@ -377,8 +377,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             except WorkerDied as e:
                 worker, dead = None, dead + 1
                 # The table names the family and shape; identical details merge into one line (run.py).
-                got = [{"check": e.kind, "output": None, "error": None, "allowed": None,
-                        "detail": f"{e.why}; later families ran in a fresh process"}]
+                got = [checks._finding(e.kind, None, f"{e.why}; later families ran in a fresh process")]
             for f in got:
                 findings.append({"check": f["check"], "family": fam.name, "shape": fam.shape_str(), "seed": seed,
                                  "error": f["error"], "allowed": f["allowed"], "detail": f["detail"],
