@@ -356,3 +356,21 @@ def test_calibration_run_leaves_distances_any_rule_can_rejudge(tmp_path, capsys)
     rejudge(["judge", str(out / "distances.json.gz"), "--nulls", "2", "--lead", "0"])
     text = capsys.readouterr().out
     assert "0 of 1 known-good A/Bs with a finding" in text and "softcap_omitted" in text
+
+
+def test_the_ab_judges_each_optimizer_with_the_recipes_lead():
+    """ab/run.judge_optimizer, what `divergence ab`, the soak and rejudge.py judge through, applies the rule's lead
+    to the candidate and to the leave-one-out calibration alike."""
+    from types import SimpleNamespace
+
+    from divergence.ab.run import judge_optimizer
+
+    steps = np.arange(60)
+    burst = lambda at: {"loss": {"steps": steps, "dist": np.where(steps < at, 1e-3 * 1.1 ** steps, 0.5),
+                                 "signed": np.zeros(60)}}
+    nulls, cand = [burst(31), burst(32), burst(30), burst(33)], burst(27)
+    rule = lambda lead: SimpleNamespace(margin=3.0, window=3, lead=lead)
+    _, metrics = judge_optimizer(cand, nulls, rule(0))
+    assert metrics[0]["flagged"]
+    cal, metrics = judge_optimizer(cand, nulls, rule(5))
+    assert not metrics[0]["flagged"] and not cal["widened"]
