@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import model_flops_per_step  # noqa: E402
+from bench import PEAK_BF16_TFLOPS, model_flops_per_step  # noqa: E402
 
 from divergence.candidates.resolve import build_kernels  # noqa: E402
 from divergence.model.transformer import Transformer  # noqa: E402
 from divergence.recipe import recipe_from_dict  # noqa: E402
 
-PEAK = 989.4e12
+PEAK = PEAK_BF16_TFLOPS["H200"] * 1e12  # the figures are the H200's
 
 
 def main(folders):

@@ -168,15 +168,14 @@ def _optimizer(recipe) -> str:
     return "adamw" if "adamw" in recipe.optimizers else recipe.ab.optimizers[0]
 
 
-def capture(recipe, device: str) -> dict:
-    """Train the capture run and write one file per slot; returns {"seconds", "folder"}."""
+def capture(recipe, device: str, folder: Path) -> dict:
+    """Train the capture run and write one file per slot into `folder` (cache_folder); returns {"seconds", "folder"}."""
     from ...train.arm import ArmSpec, run_arm
     from ...train.metrics import read_metrics
     from ...train.quiet import quiet_lightning
     import lightning.pytorch  # noqa: F401 -- its import sets its loggers to INFO: quieten them after it
 
     quiet_lightning()
-    folder = cache_folder(recipe, device)
     threads = torch.get_num_threads()
     made = {}
     t0 = time.perf_counter()
@@ -205,10 +204,11 @@ def capture(recipe, device: str) -> dict:
 def load_records(slot: str, recipe, device: str) -> tuple:
     """(the slot's capture, notes): from the cache, else from a capture run (which fills every slot's file).
     `recipe` is capture_recipe's."""
-    path = cache_folder(recipe, device) / f"{slot}.pt"
+    folder = cache_folder(recipe, device)  # hashes the sources once per load
+    path = folder / f"{slot}.pt"
     notes = []
     if not path.is_file():
-        got = capture(recipe, device)
+        got = capture(recipe, device, folder)
         notes.append(f"captured live inputs: trained recipe {recipe.name} for {recipe.train.steps} steps on "
                      f"{device} in {got['seconds']:.1f} s, cached in {got['folder']} for the next probe")
     return torch.load(path, weights_only=True), notes
