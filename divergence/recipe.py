@@ -157,6 +157,9 @@ class TrainConfig:
                               + ", ".join(b for b in COMPILE_BACKENDS if b))
 
 
+ARM_STARTS = ("auto", "forkserver", "spawn")  # ab.arm_start (ab/runner.start_method); never plain fork by request
+
+
 @dataclass
 class ABConfig:
     optimizers: list = field(default_factory=lambda: ["sgd", "adamw", "adafactor"])  # one A/B per optimizer
@@ -169,6 +172,7 @@ class ABConfig:
     arm_timeout_s: float = 3600.0  # an arm longer than this ends with TIMEOUT
     lockstep_every: int = 1  # the candidate arm checks its op on its live inputs every N steps (0 = off)
     probe: bool = True  # run the preflight probe before training
+    arm_start: str = "auto"  # how arm processes start: auto | forkserver | spawn (ab/runner.start_method: why)
 
 
 @dataclass
@@ -286,6 +290,8 @@ def recipe_from_dict(raw: dict, where: str = "recipe:", base: Optional[Path] = N
         raise RecipeError(f"{_j(where)}ab.lead: must be >= 0 steps, got {recipe.ab.lead}")
     if recipe.ab.window < 1:
         raise RecipeError(f"{_j(where)}ab.window: must be >= 1, got {recipe.ab.window}")
+    if recipe.ab.arm_start not in ARM_STARTS:
+        raise RecipeError(f"{_j(where)}ab.arm_start: unknown {recipe.ab.arm_start!r}; known: {', '.join(ARM_STARTS)}")
     return recipe
 
 

@@ -1,4 +1,5 @@
 """The A/B run end to end on the tiny recipe: the bf16 kernel is flagged, known-good kernels pass, exit codes."""
+import os
 import json
 from pathlib import Path
 
@@ -171,3 +172,49 @@ def test_multithreaded_cpu_arms_do_not_hang_after_multithreaded_torch_here(tmp_p
     finally:
         torch.set_num_threads(threads)
     assert done["sgd/candidate"]["status"] == "OK", done["sgd/candidate"]
+
+
+def _report_world(path, world):
+    from divergence.ab.runner import enter_world
+
+    enter_world(world)
+    Path(path).write_text(json.dumps({"mark": os.environ.get("DIVERGENCE_TEST_MARK"), "cwd": os.getcwd()}))
+
+
+def test_fork_served_arms_see_the_environment_and_folder_of_now_not_of_the_servers_start(tmp_path, monkeypatch):
+    """The fork server is started once per process and keeps the environment it started with; an arm must run in
+    the asking process's environment and folder of the moment (a test's monkeypatch, a changed cache folder)."""
+    from divergence.ab.runner import _context
+
+    ctx = _context("forkserver")
+    for i, mark in enumerate(("first", "second")):
+        monkeypatch.setenv("DIVERGENCE_TEST_MARK", mark)
+        (tmp_path / mark).mkdir()
+        monkeypatch.chdir(tmp_path / mark)
+        out = tmp_path / f"{mark}.json"
+        p = ctx.Process(target=_report_world, args=(str(out), {"cwd": os.getcwd(), "env": dict(os.environ)}))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        assert json.loads(out.read_text()) == {"mark": mark, "cwd": str(tmp_path / mark)}
+
+
+def test_arms_from_the_fork_server_train_bitwise_as_forked_arms(tmp_path, tiny_corpus):
+    """ab.arm_start: forkserver (CPU arms of several threads take it by default) changes how a process starts,
+    never what it computes: on the CPU the metrics are byte for byte those of a forked arm."""
+    from divergence.ab.runner import Job, run_jobs, start_method
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec
+
+    assert start_method("cpu", 1) == "fork" and start_method("cpu", 2) == "forkserver"
+    assert start_method("cuda", 1) == "spawn" and start_method("cuda", 4, "forkserver") == "forkserver"
+    assert start_method("cpu", 1, "forkserver") == "forkserver" and start_method("cpu", 2, "spawn") == "spawn"
+    spec = ArmSpec(name="candidate", optimizer="sgd", kernels={"fused_embed_rmsnorm": "zoo:embed_chunked_fp32"},
+                   lockstep="fused_embed_rmsnorm")
+    metrics = {}
+    for how in ("auto", "forkserver"):
+        recipe = load_recipe("tiny", {"train": {"steps": 6}, "ab": {"arm_start": how}})
+        done = run_jobs(recipe, [Job("sgd/candidate", tmp_path / how, spec)], tiny_corpus, "cpu", 1)
+        assert done["sgd/candidate"]["status"] == "OK", done["sgd/candidate"]
+        metrics[how] = (tmp_path / how / "metrics.jsonl").read_bytes()
+    assert metrics["auto"] == metrics["forkserver"] and metrics["auto"].count(b"\n") >= 6

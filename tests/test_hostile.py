@@ -276,6 +276,48 @@ def test_ab_killed_with_sigkill_resumes_to_the_same_verdict_without_retraining(t
     assert sa["lockstep"]["first_wrong_step"] == sb["lockstep"]["first_wrong_step"]
 
 
+def _session_members(sid: int) -> list:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_fork_served_arms_die_with_an_ab_killed_alone(tmp_path):
+    """Arms from the fork server are the server's children, not the A/B's: a SIGKILL to the A/B process alone (not
+    its group) must still end them (the server sees its pipe close and exits; each arm's PR_SET_PDEATHSIG follows)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    recipe = tmp_path / "tiny-served.yaml"
+    text = (REPO / "recipes" / "tiny.yaml").read_text().replace("  steps: 40", "  steps: 400")
+    recipe.write_text(text.replace("\nab:\n", "\nab:\n  arm_start: forkserver\n"))
+    assert "arm_start: forkserver" in recipe.read_text()
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "divergence.cli", "ab", "--kernel", "fused_embed_rmsnorm", "--recipe", str(recipe),
+           "--optimizers", "sgd", "--no-wandb", "--no-probe", "--out", str(cut)]
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(m.stat().st_size for m in cut.glob("sgd/*/metrics.jsonl")):
+            time.sleep(0.2)
+        assert any(m.stat().st_size for m in cut.glob("sgd/*/metrics.jsonl")), "no arm started training"
+        os.kill(p.pid, signal.SIGKILL)  # the A/B alone: the server and the arms are left to notice
+        p.wait(30)
+        time.sleep(3)
+        growing = {m: m.stat().st_size for m in cut.glob("sgd/*/metrics.jsonl")}
+        time.sleep(1.5)
+        assert {m: m.stat().st_size for m in growing} == growing, "an arm kept training after the A/B died"
+        assert _session_members(p.pid) == [], "the fork server outlived the A/B"
+    finally:
+        for pid in _session_members(p.pid):
+            os.kill(pid, signal.SIGKILL)
+        p.kill()
+
+
 def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path):
     """PR_SET_PDEATHSIG: a `divergence probe` killed with -9 takes its worker (in a group of its own) with it."""
     spec = tmp_path / "hang.py"

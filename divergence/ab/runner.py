@@ -1,9 +1,11 @@
 """Run arms in separate processes: a candidate that crashes, hangs or calls os._exit ends its own arm only.
 
 One-thread CPU arms are forked (torch is already imported: a fork starts in milliseconds, a fresh interpreter in
-~4 s), `workers` at a time; CUDA arms (CUDA does not survive a fork) and CPU arms of several threads (OpenMP does
-not either: run_jobs) are spawned. A watchdog
-ends an arm with TIMEOUT when its metrics file stops growing for `step_timeout_s` or it outlives `arm_timeout_s`.
+~4 s), `workers` at a time. CPU arms of several threads (GNU OpenMP does not survive a fork: _start) come from a
+fork server: one clean interpreter per job that imported the training code once and has run no torch op, each arm
+a fork of it. CUDA arms (CUDA does not survive a fork) are spawned, or come from the fork server with
+`ab.arm_start: forkserver` (not yet measured on a GPU). A watchdog ends an arm with TIMEOUT when its metrics file
+stops growing for `step_timeout_s` or it outlives `arm_timeout_s`.
 """
 from __future__ import annotations
 
@@ -78,12 +80,33 @@ def split_finished(jobs) -> tuple:
     return done, todo
 
 
-def _child(recipe, spec, out_dir, corpus, gpu, t_start):
+def enter_world(world) -> None:
+    """In an arm from the fork server: the asking process's environment and folder as they are now. The server
+    holds them as they were when it started (the first fork-served arm of this process), and a test or a caller
+    may have changed either since. And let go of the server's lifeline: multiprocessing hands every served child
+    the write end of the pipe whose closing tells the server its asker is gone, so that the child may ask the
+    server for processes itself. An arm never does, and while it held that end an A/B killed with -9 left the
+    server waiting and the arm (whose PR_SET_PDEATHSIG watches the server) training on (tests/test_hostile.py)."""
+    if world is None:
+        return
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the module's one ForkServer: its fd attribute is set by _serve_one
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    os.chdir(world["cwd"])
+    os.environ.clear()
+    os.environ.update(world["env"])
+
+
+def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
+    enter_world(world)
     if gpu is not None:  # before CUDA starts in this process: the arm sees one GPU, as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Own process group, so a kill reaches whatever the candidate started; quiet progress bars, one thread.
     os.setsid()
-    die_with_parent()  # out of the parent's group, so a `kill -9` of the A/B must reach the arm this way
+    die_with_parent(served=world is not None)  # out of the parent's group, so a `kill -9` of the A/B must reach the arm this way
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     log = open(Path(out_dir) / "stdout.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)  # at the descriptor level: a segfault's dump and C++ prints land in the log too
@@ -159,19 +182,47 @@ def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
     gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
     arm_recipe = job.recipe or recipe
-    # Spawned: CUDA arms (CUDA does not survive a fork) and CPU arms of more than one thread. GNU OpenMP is not
-    # fork-safe: once this process has run multi-threaded torch (the preflight probe's capture trains at the
-    # recipe's threads) a forked arm's first parallel region waits forever for threads that were not forked
-    # (2026-11-23, 2-core CPU: `tiny` at train.threads=2 with the probe on, the candidate's arm hung in its lockstep
-    # oracle: TIMEOUT, exit 1, against a correct kernel). One-thread arms never start a pool: forked, milliseconds.
-    fresh = device == "cuda" or arm_recipe.train.threads > 1
-    ctx = mp.get_context("spawn" if fresh else "fork")  # a spawned arm loads the corpus from its cache itself
+    method = start_method(device, arm_recipe.train.threads, arm_recipe.ab.arm_start)
+    ctx = _context(method)
+    world = {"cwd": os.getcwd(), "env": dict(os.environ)} if method == "forkserver" else None
+    fresh = method != "fork"  # a spawned or fork-served arm loads the corpus from its cache itself
     proc = ctx.Process(target=_child, args=(arm_recipe, job.spec, str(job.out_dir), None if fresh else corpus, gpu,
-                                            time.time()),
+                                            time.time(), world),
                        daemon=False)
     proc.start()
     now = time.time()
     running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+
+
+# What the fork server imports once, before it forks any arm: everything an arm needs but no torch op, no thread
+# pool and no CUDA call (an arm forked after any of those hangs or fails). 2026-11-23, 2-core CPU: a spawned
+# CPU arm spent 2.3-2.7 s on start and imports (arm.json boot_s, `tiny` at train.threads=2); a forked one 0.1 s.
+SERVER_PRELOAD = ["divergence.train.arm", "divergence.detect.lockstep"]
+
+
+def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
+    """How an arm's process starts: fork, forkserver or spawn (recipe `ab.arm_start`: auto | forkserver | spawn).
+
+    auto: one-thread CPU arms fork (milliseconds; a one-thread arm never starts an OpenMP pool). CPU arms of several
+    threads come from the fork server: GNU OpenMP is not fork-safe, and once this process has run multi-threaded
+    torch (the preflight probe's capture trains at the recipe's threads) a plainly forked arm's first parallel region
+    waits forever for threads that were not forked (2026-11-23, 2-core CPU: `tiny` at train.threads=2 with the probe
+    on, the candidate's arm hung in its lockstep oracle: TIMEOUT, exit 1, against a correct kernel). CUDA arms are
+    spawned unless the recipe asks for the fork server (measured on the CPU only so far)."""
+    if arm_start == "spawn":
+        return "spawn"
+    if device == "cuda":
+        return "forkserver" if arm_start == "forkserver" else "spawn"
+    if arm_start == "forkserver" or threads > 1:
+        return "forkserver"
+    return "fork"
+
+
+def _context(method: str):
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(SERVER_PRELOAD)  # effective until the server starts: at the first arm
+    return ctx
 
 
 def _check(key: str, running: dict, draining: list, ab, retire):

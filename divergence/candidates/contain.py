@@ -12,7 +12,7 @@ import sys
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def die_with_parent() -> None:
+def die_with_parent(served: bool = False) -> None:
     """In a child: SIGKILL when the parent dies, SIGKILL included. The children live in process groups of their
     own (so a kill reaches whatever a candidate started), out of reach of a signal to the parent's group: without
     this, a `divergence ab` killed with -9 left its arms training on, writing into the folders a `--resume`
@@ -24,9 +24,12 @@ def die_with_parent() -> None:
     except (OSError, AttributeError):
         return
     # The parent may have died before the request took effect. (Not `getppid() == 1`: in a container the parent
-    # itself can be PID 1.)
+    # itself can be PID 1.) A child of the fork server (`served`) is the server's child, while parent_process() is
+    # the process that asked for it; the server exits when that one does, so the signal follows, and the question
+    # goes to the asker's sentinel (a pipe the server holds open only while the asker lives). Not for forked
+    # children: later siblings inherit the write ends of earlier ones' sentinels, which then never close.
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
+    if parent is not None and (not parent.is_alive() if served else os.getppid() != parent.pid):
         os._exit(1)
 
 
