@@ -61,6 +61,20 @@ def test_no_text_anywhere_is_one_clear_error(tmp_path, monkeypatch):
         assert needle in msg
 
 
+def test_no_data_root_is_told_by_its_kind_not_by_the_messages_words(tmp_path, monkeypatch):
+    """resolve_source tells "no data root at all" from "not under the root" by find_local's `no_root`, not by how
+    the message begins: reworded, the no-root message is still the whole error."""
+    monkeypatch.setattr(sources, "SOURCE_ROOT", tmp_path / "repo")
+    monkeypatch.setenv("DIVERGENCE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(sources.ENV_VAR, raising=False)
+    monkeypatch.delenv(sources.FALLBACK_VAR, raising=False)
+    monkeypatch.setattr(sources, "_no_root_message", lambda: "nowhere to look (reworded)")
+    assert sources.find_local("mytext", DataConfig(source="mytext")).no_root
+    with pytest.raises(DataError) as e:
+        sources.resolve_source(DataConfig(source="mytext"))
+    assert str(e.value) == "data.source 'mytext': nowhere to look (reworded)"
+
+
 def test_unknown_name_lists_what_the_root_holds(tmp_path):
     write(tmp_path / "root" / "mine" / "a.txt", SAMPLE)
     with pytest.raises(DataError, match=r"'nope'.*known under .*: mine") as e:

@@ -177,6 +177,26 @@ def test_a_candidate_that_dies_while_importing_is_one_line(verb, tmp_path, capsy
     assert "loading it killed its process" in err and "exit code 4" in err
 
 
+@pytest.mark.parametrize("body,said", [("import os\nos._exit(4)\n", "killed its process"),
+                                       ("import time\ntime.sleep(30)\n", "hung its process")])
+def test_a_load_that_kills_or_hangs_reads_the_same_from_load_meta_and_the_sweep(body, said, tmp_path):
+    """One handler (isolate._start) turns a worker lost while loading into the user's error: `ab`'s load_meta and
+    the probe's sweep say the same words, for a crash and for a hang."""
+    from divergence.detect.probe import isolate
+    from divergence.errors import CandidateError
+
+    spec = tmp_path / "dies.py"
+    spec.write_text(body + "def run(gate, up):\n    return gate\n")
+    limits = Limits(load_s=1.0)
+    with pytest.raises(CandidateError) as by_meta:
+        isolate.load_meta("swiglu", str(spec), limits)
+    with pytest.raises(CandidateError) as by_sweep:
+        isolate.sweep("swiglu", str(spec), [], 1, "cpu", 10.0, [], tmp_path / "worker.log", limits)
+    assert f"swiglu: candidate {spec}: loading it {said}" in str(by_meta.value)
+    # The same words, but for the log's last line (load_meta's worker writes to /dev/null).
+    assert str(by_sweep.value).split(" (")[0] == str(by_meta.value).split(" (")[0]
+
+
 # --------------------------------------------------------------------------------------------------------- ab
 
 

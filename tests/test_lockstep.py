@@ -134,3 +134,18 @@ def test_per_call_judgement_catches_one_bad_call_among_good_ones():
     c = max(a["lockstep/err_candidate"] for a in alone)
     r = max(a["lockstep/err_reference"] for a in alone)
     assert within(c, r, max(a["lockstep/floor"] for a in alone))  # the old worst-vs-worst rule: not wrong
+
+
+def test_the_per_call_score_is_the_rules_own(monkeypatch):
+    """The score comes from rule.score, the one home of the 2x rule: change RATIO there and the lockstep's score
+    follows (a copy of the formula inside lockstep.py would keep the old 2x and fail this)."""
+    from divergence.detect import rule
+
+    lk, _, calls = _two_layer_calls()
+    inputs, out = calls[1]  # the fp32 call: its reference error is far above zero, so RATIO moves the score
+    before = dict(zip(lk.keys, lk._check(inputs, (out,), inputs).tolist()))
+    monkeypatch.setattr(rule, "RATIO", 8.0)
+    after = dict(zip(lk.keys, lk._check(inputs, (out,), inputs).tolist()))
+    c, r, f = after["lockstep/err_candidate"], after["lockstep/err_reference"], after["lockstep/floor"]
+    assert after["lockstep/score"] == c / (8.0 * r + f)
+    assert after["lockstep/score"] < before["lockstep/score"] / 3

@@ -330,3 +330,27 @@ def test_a_shared_prepared_builds_each_family_once_per_seed(tmp_path):
     assert first > 32 and len(prep._held) == first  # nothing rebuilt, nothing evicted
     run_probe("cross_entropy", "reference", tmp_path / "c", seed=6, device="cpu", prepared=prep)
     assert len(prep._held) == 2 * first
+
+
+def test_the_real_text_and_the_zipf_families_share_one_vocabulary(monkeypatch):
+    """inputs.VOCAB is the one home of the real text's tokenizer size and of the Zipf families' vocabulary beside
+    it: change it there and both follow (a literal left in either place would not)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import divergence.data
+
+    asked = []
+
+    def load_corpus(cfg):
+        asked.append(cfg)
+        return SimpleNamespace(train=np.arange(5000) % cfg.vocab_size, vocab_size=cfg.vocab_size)
+
+    monkeypatch.setattr(divergence.data, "load_corpus", load_corpus)
+    monkeypatch.setattr(probe_inputs, "VOCAB", 1000)
+    text = probe_inputs.RealText()
+    for fams in (probe_inputs.embed_families(text), probe_inputs.ce_families(text)):
+        by_name = {f.name: f.shape["vocab"] for f in fams}
+        assert by_name["corpus"] == by_name["zipf-1.1"] == 1000, by_name
+    assert [(c.source, c.vocab_size) for c in asked] == [("wikitext-2", 1000)]  # loaded once, at VOCAB

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..errors import DataError
 from ..paths import SOURCE_ROOT, cache_root
@@ -25,8 +25,8 @@ ENV_VAR = "DIVERGENCE_DATA"
 FALLBACK_VAR = "DIVERGENCE_TEXT_FALLBACK"
 log = logging.getLogger(__name__)
 
-__all__ = ["Source", "search_paths", "data_root", "default_roots", "resolve_source", "find_local", "ENV_VAR",
-           "FALLBACK_VAR"]
+__all__ = ["Source", "search_paths", "data_root", "default_roots", "resolve_source", "find_local", "Local",
+           "ENV_VAR", "FALLBACK_VAR"]
 
 
 def default_roots() -> list:
@@ -66,24 +66,33 @@ def _no_root_message() -> str:
             f"or set ${ENV_VAR} or the recipe's data.root to a folder of text, or data.source to a file or folder")
 
 
-def find_local(name: str, cfg: DataConfig) -> tuple:
-    """(path or None, the places tried, what the data root holds or why there is none): the file system only."""
+class Local(NamedTuple):
+    """What find_local saw; `no_root` is the kind of a miss, so that no caller reads it off the hint's words."""
+    path: Optional[Path]  # where the source lies, or None
+    tried: list  # the places looked at, in order
+    hint: str  # what the data root holds, or why there is none ("" where there is nothing to add)
+    no_root: bool = False  # no data root exists at all: the hint (_no_root_message) is the whole error
+
+
+def find_local(name: str, cfg: DataConfig) -> Local:
+    """(path or None, the places tried, what the data root holds or why there is none, whether there is no data
+    root at all): the file system only."""
     given = Path(name).expanduser()
     tried = search_paths(given)
     for path in tried:
         if path.exists():
-            return path, tried, ""
+            return Local(path, tried, "")
     if given.is_absolute():
-        return None, tried, ""
+        return Local(None, tried, "")
     root = _root_or_none(cfg)
     if root is None:
-        return None, tried + [r / name for r in default_roots()], _no_root_message()
+        return Local(None, tried + [r / name for r in default_roots()], _no_root_message(), no_root=True)
     tried.append(root / name)
     if tried[-1].exists():
-        return tried[-1], tried, ""
+        return Local(tried[-1], tried, "")
     known = sorted(p.name for p in root.iterdir()
                    if not p.name.startswith(".") and (p.is_dir() or p.suffix == ".txt"))
-    return None, tried, f"known under {root}: {', '.join(known) or 'nothing'}"
+    return Local(None, tried, f"known under {root}: {', '.join(known) or 'nothing'}")
 
 
 def resolve_source(cfg: DataConfig) -> Source:
@@ -98,7 +107,7 @@ def resolve_source(cfg: DataConfig) -> Source:
     seed = synthetic.parse_seed(name)
     if seed is not None:
         return synthetic_source(seed, cfg.max_chars)
-    path, tried, hint = find_local(name, cfg)
+    path, tried, hint, no_root = find_local(name, cfg)
     if path is not None:
         return local_source(path, name, cfg.max_chars)
     shown = ", ".join(dict.fromkeys(str(p) for p in tried))
@@ -109,7 +118,7 @@ def resolve_source(cfg: DataConfig) -> Source:
     if name in HUB_COPIES:
         root = _root_or_none(cfg) or default_roots()[-1]
         return hub_copy(name, cfg, shown, f"{root / name}/ (or point ${ENV_VAR} at a folder holding {name}/)")
-    if hint.startswith("no text found"):
+    if no_root:
         raise DataError(f"data.source {name!r}: {hint}")
     raise DataError(
         f"data.source {name!r}: no such file or folder (tried {shown}){'; ' + hint if hint else ''}; "

@@ -10,9 +10,9 @@ at all, so they can be shared by every candidate of a soak and cached (ab/share.
 
 Per checked step it adds to the arm's metrics: `lockstep/err_candidate`, `lockstep/err_reference` (relative L2
 error against the oracle, worst output; both of the same call, the step's worst call by the rule), `lockstep/cos`
-(cosine similarity with the oracle), `lockstep/score` (that call's err_candidate / (RATIO x err_reference + floor):
-above 1 breaks the rule), `lockstep/ratio` (err_candidate / err_reference, geometric mean over the step's calls:
-what the whole-record rule reads), `lockstep/calls`, and for embedding-gradient slots
+(cosine similarity with the oracle), `lockstep/score` (that call's rule.score, err_candidate / (RATIO x
+err_reference + floor): above 1 breaks the rule), `lockstep/ratio` (err_candidate / err_reference, geometric mean
+over the step's calls: what the whole-record rule reads), `lockstep/calls`, and for embedding-gradient slots
 `lockstep/<bucket>/err_candidate|err_reference|norm_ratio` per token-frequency bucket; for `attn_softcap`,
 `lockstep/max_abs_input` (error as a function of input magnitude).
 
@@ -30,7 +30,7 @@ import torch
 from ..candidates import globalstate
 from ..slots import SLOTS
 from ..slots.contract import as_tuple, oracle_inputs
-from . import bitwise
+from . import bitwise, rule
 from .buckets import bucket_rows
 from .rule import RATIO, diff64 as _diff, record_judgement, record_ratio, rel_error as _rel, rounding_floor
 
@@ -187,7 +187,7 @@ class Lockstep:
         if order is not None:
             pb = per_bucket.view(-1, 3)
             pairs_c, pairs_r = torch.cat([errs_c, pb[:, 0]]), torch.cat([errs_r, pb[:, 1]])
-        score = (pairs_c / (RATIO * pairs_r + floor)).max()
+        score = rule.score(pairs_c, pairs_r, floor).max()
         err_c, err_r = errs_c.max(), errs_r.max()
         log_ratio = torch.log(record_ratio(err_c, err_r, floor))  # 0 / 0 (both exact) reads as 1
         dev = errs_c.device

@@ -29,14 +29,26 @@ def rounding_floor(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
 
 
+def limit(ref_err, floor):
+    """RATIO x ref_err + floor: the largest error allowed where the reference makes `ref_err` (floats, or tensors
+    elementwise)."""
+    return RATIO * ref_err + floor
+
+
 def allowed(ref_err: float, dtype: torch.dtype) -> float:
     """The largest error the rule allows a kernel whose reference makes `ref_err` on the same input."""
-    return RATIO * ref_err + rounding_floor(dtype)
+    return limit(ref_err, rounding_floor(dtype))
 
 
 def within(err: float, ref_err: float, floor: float) -> bool:
     """err <= RATIO x ref_err + floor; NaN counts as outside."""
-    return bool(err <= RATIO * ref_err + floor)
+    return bool(err <= limit(ref_err, floor))
+
+
+def score(err, ref_err, floor):
+    """err / (RATIO x ref_err + floor), floats or tensors elementwise (no host sync): above 1 breaks the rule, and
+    so does NaN (read it as `not score <= 1`). The lockstep check keeps it per call to pick a step's worst call."""
+    return err / limit(ref_err, floor)
 
 
 def diff64(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

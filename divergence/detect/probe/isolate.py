@@ -317,17 +317,24 @@ class _Watch:
         return out
 
 
+def _start(slot: str, spec, *args) -> Worker:
+    """Worker(slot, spec, *args) with the candidate loaded. A candidate whose import kills or hangs the process
+    is the user's error (CandidateError, exit 2), said alike by load_meta and sweep; a worker lost later, in a
+    family, is a finding instead (sweep)."""
+    try:
+        return Worker(slot, spec, *args)
+    except WorkerDied as e:
+        raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
+                             f"its process ({e.why})") from None
+
+
 def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
     """Load `spec` in a throwaway worker: its name, role, origin, sha256 and convention, or the CandidateError
     it raises; a candidate whose import kills or hangs the process is a CandidateError too (exit 2). The caller
     never imports candidate code. Forked on a machine without CUDA (0.04 s), spawned where there is one (see
     _context: a Triton candidate's load asks for the GPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        w = Worker(slot, spec, device, 0, [], Path(os.devnull), limits)
-    except WorkerDied as e:
-        raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
-                             f"its process ({e.why})") from None
+    w = _start(slot, spec, device, 0, [], Path(os.devnull), limits)
     w.close()
     return w.meta
 
@@ -346,11 +353,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     findings, ran, notes = [], [], list(notes)
     if _context(device)[1]:
         prepare_all(SLOTS[slot], fams, seed, device, prepared)
-    try:
-        worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
-    except WorkerDied as e:
-        raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
-                             f"its process ({e.why})") from None
+    worker = _start(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
     meta = worker.meta
     if on_loaded:
         on_loaded(meta)
