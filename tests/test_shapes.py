@@ -278,8 +278,8 @@ def test_learning_rates_scale_with_width_for_hidden_matrices_only():
     fixed, scaled = param_groups(model, 0.5, r.model)
     assert fixed["lr"] == 0.5 and scaled["lr"] == pytest.approx(0.5 * 64 / 256)
     names = {id(p): n for n, p in model.named_parameters()}
-    assert "embed" in {names[id(p)] for p in fixed["params"]} and all(p.dim() == 1 or names[id(p)] == "embed"
-                                                                       for p in fixed["params"])
+    assert {names[id(p)] for p in fixed["params"]} == {n for n, p in model.named_parameters()
+                                                       if p.dim() == 1 or n == "embed"}  # the embedding and norms
     assert {names[id(p)] for p in scaled["params"]} >= {"head.weight", "blocks.0.attn.qkv.weight"}
     assert len(param_groups(model, 0.5, load_recipe("tiny").model)) == 1  # no declared width: as before
 
