@@ -137,6 +137,24 @@ def test_definition_that_cannot_be_found_or_is_another_problem_is_refused(sol, t
         find_definition(str(tmp_path / "solution.json"), definitions=str(tmp_path / "defs"))
 
 
+def test_a_definition_named_but_not_found_is_a_note_or_the_missing_slot_and_the_solution_read_once(
+        sol, tmp_path, monkeypatch):
+    from divergence.candidates import definition
+    from divergence.detect.probe.shapes import declared_for
+
+    (tmp_path / "solution.json").write_text(Path(sol["fp32-returning"]).read_text())  # names L1/087, not beside it
+    monkeypatch.delenv(definition.ENV, raising=False)
+    reads, real = [], definition.solution_definition_name
+    monkeypatch.setattr(definition, "solution_definition_name", lambda spec: reads.append(spec) or real(spec))
+    said = []
+    assert declared_for(SLOT, str(tmp_path / "solution.json"), echo=said.append) == (SLOT, {}, "", None)
+    assert said == [f"note: the solution names definition {l1_087.NAME!r}, not found (beside it, --definitions, "
+                    "$DIVERGENCE_DEFINITIONS): no declared shapes"]
+    assert len(reads) == 1  # one read of the solution serves the search and the note
+    with pytest.raises(UserError, match=f"--kernel: which slot.*it names definition '{l1_087.NAME}'"):
+        declared_for(None, str(tmp_path / "solution.json"))
+
+
 # ------------------------------------------------------------------------------------------------ mapping
 
 
@@ -278,8 +296,8 @@ def test_learning_rates_scale_with_width_for_hidden_matrices_only():
     fixed, scaled = param_groups(model, 0.5, r.model)
     assert fixed["lr"] == 0.5 and scaled["lr"] == pytest.approx(0.5 * 64 / 256)
     names = {id(p): n for n, p in model.named_parameters()}
-    assert "embed" in {names[id(p)] for p in fixed["params"]} and all(p.dim() == 1 or names[id(p)] == "embed"
-                                                                       for p in fixed["params"])
+    assert {names[id(p)] for p in fixed["params"]} == {n for n, p in model.named_parameters()
+                                                       if p.dim() == 1 or n == "embed"}  # the embedding and norms
     assert {names[id(p)] for p in scaled["params"]} >= {"head.weight", "blocks.0.attn.qkv.weight"}
     assert len(param_groups(model, 0.5, load_recipe("tiny").model)) == 1  # no declared width: as before
 

@@ -109,9 +109,12 @@ class ArmsCache:
         st = arm_status(d)
         return d if st and st.get("status") == "OK" else None
 
-    def put(self, key: str, src: Path, ident: dict) -> Optional[Path]:
-        """Store a finished OK arm under `key` (replacing an entry there: --fresh); one rename makes it appear."""
-        if self.root is None or (arm_status(src) or {}).get("status") != "OK":
+    def put(self, key: str, src: Path, ident: dict, status: Optional[dict] = None) -> Optional[Path]:
+        """Store a finished OK arm under `key` (replacing an entry there: --fresh); one rename makes it appear.
+        `status`: src's arm.json where the caller has read it already."""
+        if status is None:
+            status = arm_status(src)
+        if self.root is None or (status or {}).get("status") != "OK":
             return None
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / key
@@ -156,44 +159,49 @@ def materialize(src: Path, dst: Path, shared_from: dict) -> dict:
     return st
 
 
-def _finished(job) -> bool:
-    st = arm_status(job.out_dir)
+def _finished(st: Optional[dict]) -> bool:
+    """Whether an arm.json (as read by arm_status) says the arm finished."""
     return bool(st and st.get("status") in DONE)
 
 
-def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fresh: bool = False, on_done=None,
-               log=print) -> tuple:
+def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fresh: bool = False,
+               on_done=None) -> tuple:
     """Like runner.run_jobs ({job key: arm info} for every job, and counts: arms, trained, shared, from_cache, kept),
     but each shareable arm trains at most once: jobs with the same arm key share one arm (the first trains it, the
     others get links to it), and an arm found in the cache trains not at all (unless `fresh`: then it trains and
     replaces the entry). `backend(jobs, on_done)` runs the arms that do train (local processes or Ray), each once.
     Resume: a job whose folder holds a finished arm is kept as it is, shared or not."""
     todo, results = [], {}  # jobs the backend runs; {key: info}
+    # Each job's arm.json, read once: only the backend writes there, and only into the jobs it trains (`todo`).
+    status = {job.key: arm_status(job.out_dir) for job in jobs}
     counts = {"arms": len(jobs), "trained": 0, "shared": 0, "from_cache": 0, "kept": 0}
-    keep_or_train = functools.partial(_keep_or_train, results=results, todo=todo, counts=counts)
+    keep_or_train = functools.partial(_keep_or_train, status=status, results=results, todo=todo, counts=counts)
     groups = _group(recipe, jobs, corpus, device, keep_or_train)
     source = _from_cache(groups, cache, fresh, keep_or_train)
     counts["trained"] = len(todo)
-    _log_plan(log, jobs, todo, groups, source, cache, fresh)
+    _log_plan(jobs, todo, groups, source, cache, fresh, status)
     if todo:
         results.update(backend(todo, on_done))
+    trained = {job.key for job in todo}
     for key, (ident, group) in groups.items():
         if key not in source:
             owner = group[0]
-            if not _finished(owner):  # e.g. a Ray task that died: no arm folder to share; its answer stands for all
-                for job in group[1:]:
+            if owner.key in trained:  # trained just now: its arm.json is new
+                status[owner.key] = arm_status(owner.out_dir)
+            if not _finished(status[owner.key]):  # e.g. a Ray task that died: no arm folder to share; its answer
+                for job in group[1:]:  # stands for all
                     results[job.key] = dict(results.get(owner.key) or {})
                 continue
             if cache.root is not None and (fresh or cache.get(key) is None):
-                cache.put(key, Path(owner.out_dir), ident)
+                cache.put(key, Path(owner.out_dir), ident, status[owner.key])
             source[key] = (Path(owner.out_dir), {"arm": str(Path(owner.out_dir).resolve()), "key": key})
-        _link_group(group, source[key], results, counts, on_done)
+        _link_group(group, source[key], status, results, counts, on_done)
     return {job.key: results[job.key] for job in jobs if job.key in results}, counts
 
 
-def _keep_or_train(job, results: dict, todo: list, counts: dict):
-    if _finished(job):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
-        results[job.key] = arm_status(job.out_dir)
+def _keep_or_train(job, status: dict, results: dict, todo: list, counts: dict):
+    if _finished(status[job.key]):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
+        results[job.key] = status[job.key]
         counts["kept"] += 1
     else:
         todo.append(job)
@@ -226,23 +234,23 @@ def _from_cache(groups: dict, cache: ArmsCache, fresh: bool, keep_or_train) -> d
     return source
 
 
-def _log_plan(log, jobs, todo, groups: dict, source: dict, cache: ArmsCache, fresh: bool):
+def _log_plan(jobs, todo, groups: dict, source: dict, cache: ArmsCache, fresh: bool, status: dict):
     where = cache.root if cache.root is not None else "off"
     waiting = [(k, j) for k, (_, g) in groups.items() for j in g if j is not g[0] or k in source]
-    linked = [k for k, j in waiting if not _finished(j)]
-    log(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
-        f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
-        f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
+    linked = [k for k, j in waiting if not _finished(status[j.key])]
+    print(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
+          f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
+          f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
 
 
-def _link_group(group: list, src_from: tuple, results: dict, counts: dict, on_done):
+def _link_group(group: list, src_from: tuple, status: dict, results: dict, counts: dict, on_done):
     """Every job of a group not yet answered gets the shared arm linked into its folder (or keeps a finished one)."""
     src, shared_from = src_from
     for job in group:
         if job.key in results:
             continue  # the owner
-        if _finished(job):
-            results[job.key] = arm_status(job.out_dir)
+        if _finished(status[job.key]):
+            results[job.key] = status[job.key]
             counts["kept"] += 1
             continue
         results[job.key] = st = materialize(src, Path(job.out_dir), shared_from)

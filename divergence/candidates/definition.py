@@ -227,10 +227,15 @@ def _search(folder: Path, name: str) -> Optional[Path]:
     return None
 
 
+_UNREAD = object()
+
+
 def find_definition(candidate: Optional[str], definition: Optional[str] = None,
-                    definitions: Optional[str] = None) -> Optional[Definition]:
-    """The candidate's problem definition, or None where there is none to find (see the module docstring)."""
-    named = solution_definition_name(candidate)
+                    definitions: Optional[str] = None, named=_UNREAD) -> Optional[Definition]:
+    """The candidate's problem definition, or None where there is none to find (see the module docstring).
+    `named`: solution_definition_name(candidate), where the caller has read the solution for it already."""
+    if named is _UNREAD:
+        named = solution_definition_name(candidate)
     if definition:
         return load_definition(definition)
     if named is not None:

@@ -24,8 +24,13 @@ def width_multiplier(model_cfg) -> float:
     return 1.0 if not base else base / model_cfg.d_model
 
 
-def scales_with_width(name: str, param) -> bool:
-    return param.dim() == 2 and name != "embed"
+# The hidden matrices by the model's own grouping (Transformer.param_group, which also names the gradient norms'
+# groups): every 2-D parameter but the embedding; the norms' weights are 1-D.
+SCALED = ("attention", "mlp", "head")
+
+
+def scales_with_width(model, name: str) -> bool:
+    return model.param_group(name) in SCALED
 
 
 def param_groups(model, lr: float, model_cfg) -> list:
@@ -35,6 +40,6 @@ def param_groups(model, lr: float, model_cfg) -> list:
     params = list(model.named_parameters())
     if mult == 1.0:
         return [{"params": [p for _, p in params]}]
-    fixed = [p for n, p in params if not scales_with_width(n, p)]
-    scaled = [p for n, p in params if scales_with_width(n, p)]
+    fixed = [p for n, p in params if not scales_with_width(model, n)]
+    scaled = [p for n, p in params if scales_with_width(model, n)]
     return [{"params": fixed, "lr": lr}, {"params": scaled, "lr": lr * mult}]

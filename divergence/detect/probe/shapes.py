@@ -207,15 +207,15 @@ def declared_for(kernel: Optional[str], candidate: Optional[str], shape: Optiona
 
     The definition (found as candidates/definition.py says) is mapped onto the slot (`--kernel` where given, else
     the one it fits) and cross-checked against the slot's reference before anything runs under it."""
-    from ...candidates.definition import find_definition, map_to_slot
+    from ...candidates.definition import find_definition, map_to_slot, solution_definition_name
     from .crosscheck import cross_check
 
-    defn = find_definition(candidate, definition, definitions)
+    named = solution_definition_name(candidate)  # the solution read once: for the search and for the note below
+    defn = find_definition(candidate, definition, definitions, named=named)
     cli = parse_shape_arg(shape) if shape else {}
     if defn is None:
-        from ...candidates.definition import ENV, solution_definition_name
+        from ...candidates.definition import ENV
 
-        named = solution_definition_name(candidate)
         if not kernel:
             raise UserError("--kernel: which slot? (no definition.json found for the candidate to name it"
                             + (f"; it names definition {named!r}: pass --definition FILE or --definitions DIR"
