@@ -258,11 +258,14 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, 
     return res
 
 
-def soak(recipe, out_dir: Path) -> dict:
-    """The default A/B run (`divergence ab --kernel fused_embed_rmsnorm`, demo candidate) as a subprocess."""
+def soak(recipe, out_dir: Path, sets=()) -> dict:
+    """The default A/B run (`divergence ab --kernel fused_embed_rmsnorm`, demo candidate) as a subprocess; `sets`
+    are its `--set KEY=VALUE` overrides (e.g. ab.arm_start=forkserver, to compare how arms start)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "divergence.cli", "ab", "--kernel", "fused_embed_rmsnorm", "--recipe",
            str(recipe.path), "--out", str(out_dir / "ab"), "--no-wandb"]
+    for s in sets:
+        cmd += ["--set", s]
     t0 = time.perf_counter()
     # Every arm trained, none taken from the arms cache (ab/share.py): the figure is a cold A/B's.
     env = {**os.environ, "DIVERGENCE_ARMS_CACHE": "off"}
@@ -275,7 +278,25 @@ def soak(recipe, out_dir: Path) -> dict:
         verdict = json.loads(vpath.read_text()).get("verdict")
     return {"command": " ".join(cmd), "wall_s": wall, "exit_code": rc, "verdict": verdict,
             "arms": len(recipe.ab.optimizers) * (2 + recipe.ab.nulls), "steps_per_arm": recipe.train.steps,
-            "log": str(out_dir / "soak.log")}
+            "one_time": arm_one_time(out_dir / "ab"), "log": str(out_dir / "soak.log")}
+
+
+def arm_one_time(ab_dir: Path) -> dict:
+    """Median and largest of each arm's one-time costs (arm.json `timings`): boot_s (process start and imports,
+    before the arm's code runs), setup_s, fit_start_s and process_s minus the steady steps (all that is not
+    training); what the fork server and a warm compile cache are meant to cut."""
+    rows = []
+    for f in sorted(Path(ab_dir).glob("*/*/arm.json")):
+        tm = json.loads(f.read_text()).get("timings") or {}
+        if tm.get("process_s") is not None and tm.get("steady_ms_per_step") is not None:
+            tm["outside_steady_s"] = tm["process_s"] - tm["steady_ms_per_step"] * tm.get("steady_steps", 0) / 1e3
+        rows.append(tm)
+    out = {}
+    for key in ("boot_s", "setup_s", "fit_start_s", "outside_steady_s"):
+        vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
+        if vals:
+            out[key] = {"median": vals[len(vals) // 2], "max": vals[-1], "arms": len(vals)}
+    return out
 
 
 def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, steps=30):
@@ -353,7 +374,8 @@ def default_lockstep_candidate(device: str) -> str:
 
 
 def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep_candidate=None, do_soak=False,
-              compile_backend="recipe", peak=None, out=None, workdir=None, profile_dir=None, log=print) -> dict:
+              compile_backend="recipe", peak=None, out=None, workdir=None, profile_dir=None, log=print,
+              soak_sets=()) -> dict:
     """`compile_backend`: "recipe" keeps the recipe's `train.compile`; None or a backend name overrides it for
     the harness arms and the like-for-like bare loop (not for --soak, which runs the recipe as it is)."""
     from divergence.train.arm import model_vocab, resolve_device, resolve_precision
@@ -390,7 +412,7 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
             profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir))
     finally:
         tmp.cleanup()
-    res["soak"] = _bench_soak(recipe, log) if do_soak else None
+    res["soak"] = _bench_soak(recipe, log, soak_sets) if do_soak else None
     log(format_table(res))
     if out:
         _write_result(res, out, log)
@@ -460,10 +482,11 @@ def _lockstep_cost(recipe, corpus, steps, work, cand: str, log) -> dict:
             "extra_ms_per_step": extra, "overhead": extra / plain_c["ms_per_step"]}
 
 
-def _bench_soak(recipe, log) -> dict:
+def _bench_soak(recipe, log, sets=()) -> dict:
     soak_dir = Path("results") / f"bench-soak-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    log(f"  soak: divergence ab --kernel fused_embed_rmsnorm --recipe {recipe.name} (results in {soak_dir}) ...")
-    return soak(recipe, soak_dir)
+    log(f"  soak: divergence ab --kernel fused_embed_rmsnorm --recipe {recipe.name} "
+        f"{' '.join('--set ' + s for s in sets)} (results in {soak_dir}) ...")
+    return soak(recipe, soak_dir, sets)
 
 
 def _write_result(res: dict, out, log) -> None:
@@ -523,6 +546,8 @@ def format_table(res: dict) -> str:
         s = res["soak"]
         lines.append(f"soak (divergence ab, {s['arms']} arms x {s['steps_per_arm']} steps): {s['wall_s']:.0f} s, "
                      f"verdict {s['verdict']}, exit code {s['exit_code']}")
+        for key, v in (s.get("one_time") or {}).items():
+            lines.append(f"  per arm {key}: median {v['median']:.2f} s, largest {v['max']:.2f} s ({v['arms']} arms)")
     return "\n".join(lines)
 
 
@@ -538,6 +563,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lockstep-candidate", help="candidate run by the lockstep check (default: a fast correct "
                     "kernel, zoo:triton_embed_fp32 on CUDA, zoo:embed_sort_segment on CPU)")
     ap.add_argument("--soak", action="store_true", help="also time the default `divergence ab` (minutes)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                    help="an override for --soak's `divergence ab` (repeatable), e.g. ab.arm_start=forkserver")
     ap.add_argument("--compile", default="recipe", metavar="BACKEND",
                     help="torch.compile backend for the harness arms and the like-for-like bare loop: none (eager), "
                          "inductor, aot_eager (default: the recipe's train.compile)")
@@ -554,7 +581,8 @@ def main(argv=None) -> int:
         run_bench(recipe_name, steps=args.steps, warmup=args.warmup, lockstep=not args.no_lockstep,
                   lockstep_candidate=args.lockstep_candidate, do_soak=args.soak,
                   compile_backend=None if args.compile == "none" else args.compile,
-                  peak=args.peak_tflops, out=out, workdir=args.workdir, profile_dir=args.profile)
+                  peak=args.peak_tflops, out=out, workdir=args.workdir, profile_dir=args.profile,
+                  soak_sets=args.sets)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -95,3 +95,25 @@ def test_bench_compares_like_with_like_under_compile(tmp_path, run_bench):
     assert r["bare_compiled"]["loss_step0"] == pytest.approx(r["bare"]["loss_step0"], rel=1e-5)
     code, _, stderr = run_bench("--recipe", "tiny", "--compile", "turbo")
     assert code == 2 and "compile: unknown backend 'turbo'" in stderr
+
+
+def test_the_soak_reports_each_arms_one_time_costs(tmp_path):
+    """--soak's per-arm one-time costs, read from the arms' timings: what a fork server or compile cache must cut."""
+    for i, (boot, proc) in enumerate([(0.05, 4.0), (2.5, 6.0), (0.07, 4.5)]):
+        arm = tmp_path / "sgd" / f"arm-{i}"
+        arm.mkdir(parents=True)
+        timings = {"boot_s": boot, "setup_s": 0.1, "process_s": proc, "steady_ms_per_step": 10.0, "steady_steps": 100}
+        (arm / "arm.json").write_text(json.dumps({"status": "OK", "timings": timings}))
+    got = bench.arm_one_time(tmp_path)
+    assert got["boot_s"] == {"median": 0.07, "max": 2.5, "arms": 3}
+    assert got["outside_steady_s"]["median"] == pytest.approx(3.5) and got["outside_steady_s"]["max"] == 5.0
+    assert "fit_start_s" not in got  # no arm recorded it: nothing made up
+
+
+def test_bench_hands_its_overrides_to_the_soaks_ab(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench.subprocess, "call", lambda cmd, **kw: seen.setdefault("cmd", cmd) and 0)
+    res = bench.soak(load_recipe("tiny"), tmp_path, ["ab.arm_start=forkserver", "train.steps=5"])
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--set") + 1] == "ab.arm_start=forkserver" and cmd.count("--set") == 2
+    assert res["exit_code"] == 0 and res["verdict"] is None and res["one_time"] == {}
