@@ -119,7 +119,7 @@ def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monke
     from divergence.train.arm import ArmSpec
     from divergence.train.metrics import write_json
 
-    def slow_exit_child(recipe, spec, out_dir, corpus, gpu=None, t_start=None):
+    def slow_exit_child(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
         import os
 
         os.setsid()
