@@ -276,8 +276,10 @@ def soak(recipe, out_dir: Path, sets=()) -> dict:
     vpath = out_dir / "ab" / "verdict.json"
     if vpath.exists():
         verdict = json.loads(vpath.read_text()).get("verdict")
+    # Counted from what ran, not from the recipe: `sets` may change the steps, the nulls or the optimizers.
+    arms = [json.loads(f.read_text()) for f in sorted((out_dir / "ab").glob("*/*/arm.json"))]
     return {"command": " ".join(cmd), "wall_s": wall, "exit_code": rc, "verdict": verdict,
-            "arms": len(recipe.ab.optimizers) * (2 + recipe.ab.nulls), "steps_per_arm": recipe.train.steps,
+            "arms": len(arms), "steps_per_arm": max((a.get("steps") or 0 for a in arms), default=0),
             "one_time": arm_one_time(out_dir / "ab"), "log": str(out_dir / "soak.log")}
 
 
@@ -295,7 +297,9 @@ def arm_one_time(ab_dir: Path) -> dict:
     for key in ("boot_s", "setup_s", "fit_start_s", "outside_steady_s"):
         vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
         if vals:
-            out[key] = {"median": vals[len(vals) // 2], "max": vals[-1], "arms": len(vals)}
+            mid = len(vals) // 2
+            out[key] = {"median": vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2, "max": vals[-1],
+                        "arms": len(vals)}
     return out
 
 
@@ -573,6 +577,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", help="where the harness arms write (a temporary folder inside, removed after)")
     ap.add_argument("--profile", metavar="DIR", help="also write torch.profiler and cProfile tables of 30 steps")
     args = ap.parse_args(argv)
+    if args.sets and not args.soak:
+        ap.error("--set changes only --soak's divergence ab; add --soak")
     recipe_name = args.recipe or default_recipe_name()
     out = args.out or os.path.join("results", f"bench-{Path(recipe_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     from divergence.errors import UserError

@@ -178,25 +178,46 @@ def _report_world(path, world):
     from divergence.ab.runner import enter_world
 
     enter_world(world)
-    Path(path).write_text(json.dumps({"mark": os.environ.get("DIVERGENCE_TEST_MARK"), "cwd": os.getcwd()}))
+    Path(path).write_text(json.dumps({"mark": os.environ.get("DIVERGENCE_TEST_MARK")}))
 
 
-def test_fork_served_arms_see_the_environment_and_folder_of_now_not_of_the_servers_start(tmp_path, monkeypatch):
+def test_fork_served_arms_see_the_environment_of_now_not_of_the_servers_start(tmp_path, monkeypatch):
     """The fork server is started once per process and keeps the environment it started with; an arm must run in
-    the asking process's environment and folder of the moment (a test's monkeypatch, a changed cache folder)."""
+    the asking process's environment of the moment (a test's monkeypatch, a changed cache folder)."""
     from divergence.ab.runner import _context
 
     ctx = _context("forkserver")
-    for i, mark in enumerate(("first", "second")):
+    for mark in ("first", "second"):
         monkeypatch.setenv("DIVERGENCE_TEST_MARK", mark)
-        (tmp_path / mark).mkdir()
-        monkeypatch.chdir(tmp_path / mark)
         out = tmp_path / f"{mark}.json"
-        p = ctx.Process(target=_report_world, args=(str(out), {"cwd": os.getcwd(), "env": dict(os.environ)}))
+        p = ctx.Process(target=_report_world, args=(str(out), {"env": dict(os.environ)}))
         p.start()
         p.join(60)
         assert p.exitcode == 0
-        assert json.loads(out.read_text()) == {"mark": mark, "cwd": str(tmp_path / mark)}
+        assert json.loads(out.read_text()) == {"mark": mark}
+
+
+def test_a_fork_server_that_cannot_start_an_arm_is_one_line_naming_the_key(tmp_path, monkeypatch, tiny_corpus):
+    from divergence.ab import runner
+    from divergence.errors import RecipeError
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec
+
+    class Dead:
+        def Process(self, **kw):
+            class P:
+                def start(self):
+                    raise EOFError()
+            return P()
+
+    monkeypatch.setattr(runner, "_context", lambda method: Dead())
+    recipe = load_recipe("tiny", {"ab": {"arm_start": "forkserver"}})
+    job = runner.Job("sgd/reference", tmp_path / "arm", ArmSpec(name="reference", optimizer="sgd"))
+    with pytest.raises(RecipeError) as e:
+        runner.run_jobs(recipe, [job], tiny_corpus, "cpu", 1)
+    msg = str(e.value)
+    assert "ab.arm_start" in msg and "sgd/reference" in msg and "EOFError: no reason given" in msg
+    assert "\n" not in msg and "tiny" in msg
 
 
 def test_arms_from_the_fork_server_train_bitwise_as_forked_arms(tmp_path, tiny_corpus):

@@ -116,4 +116,6 @@ def test_bench_hands_its_overrides_to_the_soaks_ab(tmp_path, monkeypatch):
     res = bench.soak(load_recipe("tiny"), tmp_path, ["ab.arm_start=forkserver", "train.steps=5"])
     cmd = seen["cmd"]
     assert cmd[cmd.index("--set") + 1] == "ab.arm_start=forkserver" and cmd.count("--set") == 2
-    assert res["exit_code"] == 0 and res["verdict"] is None and res["one_time"] == {}
+    assert res["exit_code"] == 0 and res["verdict"] is None and res["one_time"] == {} and res["arms"] == 0
+    with pytest.raises(SystemExit):  # --set without --soak would change nothing: refused, not ignored
+        bench.main(["--set", "ab.arm_start=forkserver"])

@@ -67,6 +67,8 @@ BAD = [
     ("optimizers: {lion: {lr: 1}}", "optimizers.lion: unknown optimizer; known: sgd, adamw, adafactor"),
     ("optimizers: {sgd: {lr: 0}}", "optimizers.sgd.lr: must be positive"),
     ("ab: {optimizers: [adamw]}", "ab.optimizers: 'adamw' has no settings under optimizers"),
+    ("optimizers: {sgd: {lr: 0.1}}\nab: {optimizers: [sgd], arm_start: fork}",
+     "ab.arm_start: unknown 'fork'; known: auto, forkserver, spawn"),
     ("kernels: {flash: reference}", "kernels.flash: unknown slot"),
     ("data: {vocab_size: 100}", "data.vocab_size: 100 is below 260"),
     ("model: [1, 2", "malformed YAML"),

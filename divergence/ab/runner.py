@@ -1,9 +1,9 @@
 """Run arms in separate processes: a candidate that crashes, hangs or calls os._exit ends its own arm only.
 
 One-thread CPU arms are forked (torch is already imported: a fork starts in milliseconds, a fresh interpreter in
-~4 s), `workers` at a time. CPU arms of several threads (GNU OpenMP does not survive a fork: _start) come from a
-fork server: one clean interpreter per job that imported the training code once and has run no torch op, each arm
-a fork of it. CUDA arms (CUDA does not survive a fork) are spawned, or come from the fork server with
+~4 s), `workers` at a time. CPU arms of several threads (GNU OpenMP does not survive a fork: start_method) come from a
+fork server: one clean interpreter per asking process that imported the training code once and has run no torch op,
+each arm a fork of it. CUDA arms (CUDA does not survive a fork) are spawned, or come from the fork server with
 `ab.arm_start: forkserver` (not yet measured on a GPU). A watchdog ends an arm with TIMEOUT when its metrics file
 stops growing for `step_timeout_s` or it outlives `arm_timeout_s`.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
+from ..errors import RecipeError
 from ..train.metrics import write_json
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
@@ -81,23 +82,39 @@ def split_finished(jobs) -> tuple:
 
 
 def enter_world(world) -> None:
-    """In an arm from the fork server: the asking process's environment and folder as they are now. The server
-    holds them as they were when it started (the first fork-served arm of this process), and a test or a caller
-    may have changed either since. And let go of the server's lifeline: multiprocessing hands every served child
-    the write end of the pipe whose closing tells the server its asker is gone, so that the child may ask the
-    server for processes itself. An arm never does, and while it held that end an A/B killed with -9 left the
-    server waiting and the arm (whose PR_SET_PDEATHSIG watches the server) training on (tests/test_hostile.py)."""
+    """In an arm from the fork server: the asking process's environment as it is now. The server holds it as it
+    was when it started (the first fork-served arm of this process), and a test or a caller may have changed it
+    since. (The folder needs nothing: multiprocessing's preparation of the child already moves to the asker's.)
+    Modules the server imported read some variables once, at import (TORCHINDUCTOR_*, TRITON_*, OMP_*): those keep
+    the server's values; set them before the first arm starts, or use `ab.arm_start: spawn`.
+
+    And let go of the server's lifeline: multiprocessing hands every served child the write end of the pipe whose
+    closing tells the server its asker is gone, so that the child may ask the server for processes itself. An arm
+    never does, and while it held that end an A/B killed with -9 left the server waiting and the arm (whose
+    PR_SET_PDEATHSIG watches the server) training on (tests/test_hostile.py). The attribute is private (the same
+    in CPython 3.10-3.13); if it is ever renamed, the server merely lingers until the arm ends."""
     if world is None:
         return
+    if _cuda_loaded():
+        raise RuntimeError("the fork server had loaded the CUDA driver before forking this arm, which CUDA does not "
+                           "survive; set ab.arm_start: spawn")
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # the module's one ForkServer: its fd attribute is set by _serve_one
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
         server._forkserver_alive_fd = None
-    os.chdir(world["cwd"])
     os.environ.clear()
     os.environ.update(world["env"])
+
+
+def _cuda_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:  # not Linux: nothing to tell
+        return False
 
 
 def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
@@ -106,7 +123,8 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Own process group, so a kill reaches whatever the candidate started; quiet progress bars, one thread.
     os.setsid()
-    die_with_parent(served=world is not None)  # out of the parent's group, so a `kill -9` of the A/B must reach the arm this way
+    # Out of the parent's group, so a `kill -9` of the A/B must reach the arm this way.
+    die_with_parent(served=world is not None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     log = open(Path(out_dir) / "stdout.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)  # at the descriptor level: a segfault's dump and C++ prints land in the log too
@@ -115,9 +133,10 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     faulthandler.disable()  # re-arms its signal handlers, which a parent's Lightning or Ray took (probe/isolate.py)
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
     from ..detect.lockstep import Lockstep
+    from ..train import module  # noqa: F401  (Lightning: 5-20 s of a spawned arm's start on 2 cores)
     from ..train.arm import run_arm
 
-    boot = time.time() - t_start  # process start, imports, unpickling the arguments
+    boot = time.time() - t_start  # process start, imports (Lightning's too), unpickling the arguments
     run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot, watcher=Lockstep)
     # Everything is on disk (arm.json last, atomically). Skip the interpreter's teardown: a CUDA arm's exit took
     # 10-15 s after its last write on the H200 (2026-11-21), and the next arm waited for it.
@@ -184,20 +203,28 @@ def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
     arm_recipe = job.recipe or recipe
     method = start_method(device, arm_recipe.train.threads, arm_recipe.ab.arm_start)
     ctx = _context(method)
-    world = {"cwd": os.getcwd(), "env": dict(os.environ)} if method == "forkserver" else None
+    world = {"env": dict(os.environ)} if method == "forkserver" else None
     fresh = method != "fork"  # a spawned or fork-served arm loads the corpus from its cache itself
     proc = ctx.Process(target=_child, args=(arm_recipe, job.spec, str(job.out_dir), None if fresh else corpus, gpu,
                                             time.time(), world),
                        daemon=False)
-    proc.start()
+    try:
+        proc.start()
+    except (OSError, EOFError) as e:  # the fork server died starting (a preload that raised) or went away
+        if method != "forkserver":
+            raise
+        raise RecipeError(f"{arm_recipe.path or arm_recipe.name}: ab.arm_start: the fork server could not start arm "
+                          f"{job.key} ({type(e).__name__}: {str(e) or 'no reason given'}); set ab.arm_start: "
+                          "spawn") from e
     now = time.time()
     running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
 
 
 # What the fork server imports once, before it forks any arm: everything an arm needs but no torch op, no thread
-# pool and no CUDA call (an arm forked after any of those hangs or fails). 2026-11-23, 2-core CPU: a spawned
-# CPU arm spent 2.3-2.7 s on start and imports (arm.json boot_s, `tiny` at train.threads=2); a forked one 0.1 s.
-SERVER_PRELOAD = ["divergence.train.arm", "divergence.detect.lockstep"]
+# pool and no CUDA call (an arm forked after any of those hangs or fails). 2026-11-23, 2-core CPU, `tiny` at
+# train.threads=2: a spawned arm spent 3.0-3.8 s on start and imports (arm.json boot_s), a served one 0.03-0.04 s;
+# the A/B of 4 arms took 22.0-23.7 s spawned, 12.3-13.4 s served.
+SERVER_PRELOAD = ["divergence.train.module", "divergence.train.arm", "divergence.detect.lockstep"]
 
 
 def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
