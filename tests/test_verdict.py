@@ -86,6 +86,11 @@ def test_training_harmed_and_weights_moved_stay_apart():
     harmed = dict(moved, harmed=["loss"], moved=[], training_harmed=True, metric="loss")
     res = V.combine({"sgd": harmed})
     assert res["case"] == "harms-training" and V.exit_code(res) == 1
+    # The A/B alone (the op checks passed) asks for a second seed; with the lockstep check wrong too it does not.
+    assert "confirm with another seed" in res["summary"]
+    wrong_ls = dict(GOOD_LS, wrong=True, first_wrong_step=0)
+    res = V.combine({"sgd": dict(harmed, lockstep=wrong_ls)})
+    assert res["case"] == "harms-training" and "confirm with another seed" not in res["summary"]
 
 
 def test_candidate_raising_on_live_inputs_is_not_pass(tmp_path):

@@ -388,6 +388,8 @@ def _case(per_opt: dict, signals: dict) -> tuple:
         masked = [o for o in per_opt if o not in harmed]
         if masked:
             summary += f"; masked under {', '.join(masked)}"
+        if not op_wrong:  # the A/B alone: on the H200 ~3 in 100 correct-arm judgements flag (README, Calibration)
+            summary += "; the op checks saw nothing wrong (confirm with another seed before believing it)"
     elif op_wrong:
         verdict, case = "WRONG", "wrong-but-masked"
         parts = [op_words[k] for k in op_wrong] + (
