@@ -366,6 +366,12 @@ def _fold_lockstep(v: dict, lockstep_enabled: bool):
             ls.get("error") or "no record")
 
 
+def _op_checks_silent(words: dict) -> str:
+    """What the op checks said when neither found anything: which passed, or that none judged."""
+    passed = [k for k in ("lockstep", "probe") if words[k] == "PASS"]
+    return f"the {' and the '.join(passed)} saw nothing wrong" if passed else "no op check judged the candidate"
+
+
 def _case(per_opt: dict, signals: dict) -> tuple:
     """(verdict, case, summary) from the optimizers' verdicts and the three signals (combine's docstring)."""
     words = {k: s["verdict"] for k, s in signals.items()}
@@ -389,7 +395,7 @@ def _case(per_opt: dict, signals: dict) -> tuple:
         if masked:
             summary += f"; masked under {', '.join(masked)}"
         if not op_wrong:  # the A/B alone: on the H200 ~3 in 100 correct-arm judgements flag (README, Calibration)
-            summary += "; the op checks saw nothing wrong (confirm with another seed before believing it)"
+            summary += f"; {_op_checks_silent(words)} (confirm with another seed before believing it)"
     elif op_wrong:
         verdict, case = "WRONG", "wrong-but-masked"
         parts = [op_words[k] for k in op_wrong] + (
@@ -399,7 +405,7 @@ def _case(per_opt: dict, signals: dict) -> tuple:
     elif moved:
         verdict, case = "DIVERGED", "weights-moved"
         summary = (f"gradients or weights leave the null envelope under {', '.join(moved)}; the loss stays inside "
-                   "and the op checks saw nothing wrong (re-run before believing it)")
+                   f"and {_op_checks_silent(words)} (re-run before believing it)")
     elif "INCONCLUSIVE" in words.values():
         verdict, case = "INCONCLUSIVE", "inconclusive"
         summary = "no finding, but not every check could judge: " + "; ".join(
