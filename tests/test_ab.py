@@ -178,23 +178,42 @@ def _report_world(path, world):
     from divergence.ab.runner import enter_world
 
     enter_world(world)
-    Path(path).write_text(json.dumps({"mark": os.environ.get("DIVERGENCE_TEST_MARK")}))
+    Path(path).write_text(json.dumps({"mark": os.environ.get("DIVERGENCE_TEST_MARK"), "cwd": os.getcwd()}))
 
 
-def test_fork_served_arms_see_the_environment_of_now_not_of_the_servers_start(tmp_path, monkeypatch):
-    """The fork server is started once per process and keeps the environment it started with; an arm must run in
-    the asking process's environment of the moment (a test's monkeypatch, a changed cache folder)."""
+def test_fork_served_arms_see_the_environment_and_folder_of_now_not_of_the_servers_start(tmp_path, monkeypatch):
+    """The fork server is started once per process and keeps the environment and folder it started with; an arm
+    must run in the asking process's of the moment (a test's monkeypatch, a changed cache folder). The folder is
+    multiprocessing's doing (its preparation data), the environment enter_world's: both are pinned here."""
     from divergence.ab.runner import _context
 
     ctx = _context("forkserver")
     for mark in ("first", "second"):
         monkeypatch.setenv("DIVERGENCE_TEST_MARK", mark)
+        (tmp_path / mark).mkdir()
+        monkeypatch.chdir(tmp_path / mark)
         out = tmp_path / f"{mark}.json"
         p = ctx.Process(target=_report_world, args=(str(out), {"env": dict(os.environ)}))
         p.start()
         p.join(60)
         assert p.exitcode == 0
-        assert json.loads(out.read_text()) == {"mark": mark}
+        assert json.loads(out.read_text()) == {"mark": mark, "cwd": str(tmp_path / mark)}
+
+
+def test_a_served_arm_that_finds_cuda_loaded_says_so_in_its_last_words(tmp_path, monkeypatch, tiny_corpus):
+    """CUDA does not survive a fork: a served arm whose server had loaded the driver must stop, and the arm's
+    CRASH must name the cause and the key to change (its last words come from its log)."""
+    from divergence.ab import runner
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec
+
+    monkeypatch.setattr(runner, "_cuda_loaded", lambda: True)
+    recipe = load_recipe("tiny", {"train": {"steps": 4}, "ab": {"arm_start": "forkserver"}})
+    # forked, not served: the stand-in must reach the child, and the server's children would not see it
+    monkeypatch.setattr(runner, "_context", lambda method: __import__("multiprocessing").get_context("fork"))
+    job = runner.Job("sgd/reference", tmp_path / "arm", ArmSpec(name="reference", optimizer="sgd"))
+    done = runner.run_jobs(recipe, [job], tiny_corpus, "cpu", 1)["sgd/reference"]
+    assert done["status"] == "CRASH" and "ab.arm_start: spawn" in (done.get("error") or ""), done
 
 
 def test_a_fork_server_that_cannot_start_an_arm_is_one_line_naming_the_key(tmp_path, monkeypatch, tiny_corpus):

@@ -87,7 +87,7 @@ def test_training_harmed_and_weights_moved_stay_apart():
     res = V.combine({"sgd": harmed})
     assert res["case"] == "harms-training" and V.exit_code(res) == 1
     # The A/B alone (the op checks passed) asks for a second seed; with the lockstep check wrong too it does not.
-    assert "the lockstep saw nothing wrong (confirm with another seed" in res["summary"]
+    assert "the lockstep check saw nothing wrong (confirm with another seed" in res["summary"]
     res = V.combine({"sgd": dict(harmed, lockstep={})}, lockstep_enabled=False, probe_enabled=False)
     assert "no op check judged the candidate (confirm with another seed" in res["summary"]
     wrong_ls = dict(GOOD_LS, wrong=True, first_wrong_step=0)

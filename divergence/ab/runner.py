@@ -95,9 +95,6 @@ def enter_world(world) -> None:
     in CPython 3.10-3.13); if it is ever renamed, the server merely lingers until the arm ends."""
     if world is None:
         return
-    if _cuda_loaded():
-        raise RuntimeError("the fork server had loaded the CUDA driver before forking this arm, which CUDA does not "
-                           "survive; set ab.arm_start: spawn")
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
@@ -132,6 +129,9 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     sys.stdout = sys.stderr = log
     faulthandler.disable()  # re-arms its signal handlers, which a parent's Lightning or Ray took (probe/isolate.py)
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
+    if world is not None and _cuda_loaded():  # here, after the log: its last words name the cause
+        raise RuntimeError("the fork server had loaded the CUDA driver before forking this arm, which CUDA does not "
+                           "survive; set ab.arm_start: spawn")
     from ..detect.lockstep import Lockstep
     from ..train import module  # noqa: F401  (Lightning: 5-20 s of a spawned arm's start on 2 cores)
     from ..train.arm import run_arm

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -24,13 +25,31 @@ def die_with_parent(served: bool = False) -> None:
     except (OSError, AttributeError):
         return
     # The parent may have died before the request took effect. (Not `getppid() == 1`: in a container the parent
-    # itself can be PID 1.) A child of the fork server (`served`) is the server's child, while parent_process() is
-    # the process that asked for it; the server exits when that one does, so the signal follows, and the question
-    # goes to the asker's sentinel (a pipe the server holds open only while the asker lives). Not for forked
-    # children: later siblings inherit the write ends of earlier ones' sentinels, which then never close.
+    # itself can be PID 1.) Not asked of the sentinel for forked children: later siblings inherit the write ends of
+    # earlier ones' sentinels, which then never close.
     parent = multiprocessing.parent_process()
-    if parent is not None and (not parent.is_alive() if served else os.getppid() != parent.pid):
+    if parent is None:
+        return
+    if not served:
+        if os.getppid() != parent.pid:
+            os._exit(1)
+        return
+    # A child of the fork server (`served`) is the server's child: PR_SET_PDEATHSIG fires when the server ends,
+    # which is only after the server's own interpreter teardown with torch and Lightning imported: 1.3-2.0 s after
+    # its asker on the 2-core CPU (2026-11-23), over 3 s under the test suite's load, where tests/test_hostile.py
+    # saw arms train on after the A/B's SIGKILL in 2 of 7 runs. So the child watches the process that asked for it:
+    # its sentinel is a pipe whose write end only that process holds, readable (EOF) the moment it dies.
+    if not parent.is_alive():
         os._exit(1)
+    threading.Thread(target=_end_with, args=(parent,), name="die-with-parent", daemon=True).start()
+
+
+def _end_with(parent) -> None:
+    parent.join()  # returns when the parent's sentinel reads EOF: the parent is gone
+    me = os.getpid()
+    if os.getpgrp() == me:  # a group of its own: whatever it started goes too
+        os.killpg(me, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)
 
 
 def describe_exit(code) -> str:

@@ -368,8 +368,8 @@ def _fold_lockstep(v: dict, lockstep_enabled: bool):
 
 def _op_checks_silent(words: dict) -> str:
     """What the op checks said when neither found anything: which passed, or that none judged."""
-    passed = [k for k in ("lockstep", "probe") if words[k] == "PASS"]
-    return f"the {' and the '.join(passed)} saw nothing wrong" if passed else "no op check judged the candidate"
+    passed = [name for k, name in (("lockstep", "the lockstep check"), ("probe", "the probe")) if words[k] == "PASS"]
+    return f"{' and '.join(passed)} saw nothing wrong" if passed else "no op check judged the candidate"
 
 
 def _case(per_opt: dict, signals: dict) -> tuple:
