@@ -286,7 +286,8 @@ def soak(recipe, out_dir: Path, sets=()) -> dict:
 def arm_one_time(ab_dir: Path) -> dict:
     """Median and largest of each arm's one-time costs (arm.json `timings`): boot_s (process start and imports,
     before the arm's code runs), setup_s, fit_start_s and process_s minus the steady steps (all that is not
-    training); what the fork server and a warm compile cache are meant to cut."""
+    training); what the fork server and a warm compile cache are meant to cut. The first served arm's boot_s
+    includes starting the fork server, which its process_s (counted once the process exists) does not."""
     rows = []
     for f in sorted(Path(ab_dir).glob("*/*/arm.json")):
         tm = json.loads(f.read_text()).get("timings") or {}
