@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_ab(sub)
     k = sub.add_parser("soak", help="many candidates x optimizers x seeds as one job (SOAK.yaml)")
-    k.add_argument("soak", nargs="?", help="the soak file (see divergence/soak.py for its keys)")
+    k.add_argument("soak", nargs="?", help="the soak file (see divergence/ab/soak.py for its keys)")
     k.add_argument("--out", help="results folder (default results/soak-<name>-<time>)")
     k.add_argument("--resume", metavar="RESULTS_DIR", help="continue a killed soak; finished arms are kept")
     k.add_argument("--backend", choices=("local", "ray"), help="where arms run (default: the soak file's, local)")
