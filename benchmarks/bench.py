@@ -31,6 +31,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -280,27 +281,26 @@ def soak(recipe, out_dir: Path, sets=()) -> dict:
     arms = [json.loads(f.read_text()) for f in sorted((out_dir / "ab").glob("*/*/arm.json"))]
     return {"command": " ".join(cmd), "wall_s": wall, "exit_code": rc, "verdict": verdict,
             "arms": len(arms), "steps_per_arm": max((a.get("steps") or 0 for a in arms), default=0),
-            "one_time": arm_one_time(out_dir / "ab"), "log": str(out_dir / "soak.log")}
+            "one_time": arm_one_time(arms), "log": str(out_dir / "soak.log")}
 
 
-def arm_one_time(ab_dir: Path) -> dict:
+def arm_one_time(arms: list) -> dict:
     """Median and largest of each arm's one-time costs (arm.json `timings`): boot_s (process start and imports,
     before the arm's code runs), setup_s, fit_start_s and process_s minus the steady steps (all that is not
     training); what the fork server and a warm compile cache are meant to cut. The first served arm's boot_s
-    includes starting the fork server, which its process_s (counted once the process exists) does not."""
+    includes starting the fork server, which its process_s (counted once the process exists) does not. `arms`:
+    the parsed arm.json of each arm."""
     rows = []
-    for f in sorted(Path(ab_dir).glob("*/*/arm.json")):
-        tm = json.loads(f.read_text()).get("timings") or {}
+    for arm in arms:
+        tm = dict(arm.get("timings") or {})
         if tm.get("process_s") is not None and tm.get("steady_ms_per_step") is not None:
             tm["outside_steady_s"] = tm["process_s"] - tm["steady_ms_per_step"] * tm.get("steady_steps", 0) / 1e3
         rows.append(tm)
     out = {}
     for key in ("boot_s", "setup_s", "fit_start_s", "outside_steady_s"):
-        vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         if vals:
-            mid = len(vals) // 2
-            out[key] = {"median": vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2, "max": vals[-1],
-                        "arms": len(vals)}
+            out[key] = {"median": statistics.median(vals), "max": max(vals), "arms": len(vals)}
     return out
 
 

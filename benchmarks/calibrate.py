@@ -88,14 +88,14 @@ def caught(v: dict) -> dict:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.combine:  # pools finished calibrations: no torch, no training
+        return _combine([Path(d) for d in args.combine])
 
     import torch
 
     from divergence.cli import main as cli
     from divergence.recipe import load_recipe
 
-    if args.combine:
-        return _combine([Path(d) for d in args.combine])
     recipe = load_recipe(args.recipe)
     nulls = args.nulls or recipe.ab.nulls
     from divergence.zoo import has_triton

@@ -99,12 +99,10 @@ def test_bench_compares_like_with_like_under_compile(tmp_path, run_bench):
 
 def test_the_soak_reports_each_arms_one_time_costs(tmp_path):
     """--soak's per-arm one-time costs, read from the arms' timings: what a fork server or compile cache must cut."""
-    for i, (boot, proc) in enumerate([(0.05, 4.0), (2.5, 6.0), (0.07, 4.5)]):
-        arm = tmp_path / "sgd" / f"arm-{i}"
-        arm.mkdir(parents=True)
-        timings = {"boot_s": boot, "setup_s": 0.1, "process_s": proc, "steady_ms_per_step": 10.0, "steady_steps": 100}
-        (arm / "arm.json").write_text(json.dumps({"status": "OK", "timings": timings}))
-    got = bench.arm_one_time(tmp_path)
+    arms = [{"status": "OK", "timings": {"boot_s": boot, "setup_s": 0.1, "process_s": proc,
+                                         "steady_ms_per_step": 10.0, "steady_steps": 100}}
+            for boot, proc in [(0.05, 4.0), (2.5, 6.0), (0.07, 4.5)]]
+    got = bench.arm_one_time(arms)
     assert got["boot_s"] == {"median": 0.07, "max": 2.5, "arms": 3}
     assert got["outside_steady_s"]["median"] == pytest.approx(3.5) and got["outside_steady_s"]["max"] == 5.0
     assert "fit_start_s" not in got  # no arm recorded it: nothing made up
