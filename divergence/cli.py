@@ -121,15 +121,9 @@ def _add_probe(sub):
 
 
 def cmd_report(args) -> int:
-    from .detect.distances import ArmFiles
-    from .report import write_report
+    from .report.publish import after_ab
 
-    files = ArmFiles()  # the page's distances serve the wandb runs
-    print(f"report: {write_report(args.results_dir, files)}")
-    if args.wandb:
-        from .report.wandb import log_ab
-
-        log_ab(args.results_dir, files=files)
+    after_ab(args.results_dir, args, log_wandb=args.wandb)
     return EXIT_PASS
 
 

@@ -160,14 +160,15 @@ def _fallback(res, made: list, err: Exception) -> str:
         raw=json.dumps(v, indent=1, default=str), made=_figures(made))
 
 
-def write_report(results_dir, files=None) -> Path:
+def write_report(results_dir, files=None, results=None) -> Path:
     """Write `report.html` and `plots/*.png` into a finished results folder; returns the page's path.
 
     Only a folder that is not a finished results folder raises (UserError): `ab` calls this after the verdict is
     written, and a figure or a page that fails to draw must not take the verdict with it. `files`: the run's
-    detect.distances.ArmFiles (the verdict's distances), else a fresh one.
+    detect.distances.ArmFiles (the verdict's distances), else a fresh one; `results`: the folder already loaded
+    (report.results.load_results), which wandb's logging then uses too.
     """
-    res = load_results(results_dir, files)
+    res = results or load_results(results_dir, files)
     made = make_plots(res, res.dir / "plots")
     path = res.dir / "report.html"
     try:

@@ -11,15 +11,18 @@ from pathlib import Path
 from ..train.metrics import write_json
 
 
-def after_ab(out: Path, args, result: dict, files=None):
-    """`files`: the run's detect.distances.ArmFiles, holding the distances its verdict computed."""
+def after_ab(out, args, result: dict = None, files=None, log_wandb: bool = None):
+    """The page, then wandb (unless `args.no_wandb`, or `log_wandb` says otherwise), from one read of the folder.
+    `files`: the run's detect.distances.ArmFiles, holding the distances its verdict computed."""
     from . import write_report
+    from .results import load_results
 
-    print(f"report: {write_report(out, files)}")
-    if not getattr(args, "no_wandb", False):
+    res = load_results(out, files)  # plan, verdict, arms and the corpus's buckets: once for the page and wandb
+    print(f"report: {write_report(out, results=res)}")
+    if log_wandb if log_wandb is not None else not getattr(args, "no_wandb", False):
         from .wandb import log_ab
 
-        log_ab(out, result, files=files)
+        log_ab(out, result, results=res)
 
 
 def log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str, files=None) -> bool:

@@ -50,12 +50,15 @@ def choose_mode(wandb) -> tuple:
     return "offline", "no API key"
 
 
-def log_ab(results_dir, result=None, group=None, name_prefix="", tags=(), config=None, files=None):
+def log_ab(results_dir, result=None, group=None, name_prefix="", tags=(), config=None, files=None,
+           results=None):
     """Log every arm and the experiment; returns {'mode', 'group', 'runs', 'seconds'} or None. Never raises.
     group (default: the experiment id), name_prefix, tags and config (merged into every run's): a soak's cell.
-    files: the run's detect.distances.ArmFiles, whose distances the verdict and the report already computed."""
+    files: the run's detect.distances.ArmFiles, whose distances the verdict and the report already computed;
+    results: the folder already loaded for the report (its files, its corpus buckets), not read again."""
     out = Path(results_dir)
-    cell = dict(group=group, name_prefix=name_prefix, tags=list(tags), config=config or {}, files=files)
+    cell = dict(group=group, name_prefix=name_prefix, tags=list(tags), config=config or {}, files=files,
+                results=results)
     return _safely(out, lambda wandb, mode, why: _log_all(wandb, mode, why, out, result, **cell))
 
 
@@ -112,11 +115,11 @@ def _settings(wandb):
     return wandb.Settings(**kw)
 
 
-def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, config, files) -> dict:
+def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, config, files, results) -> dict:
     from .results import load_results
 
     t0 = time.time()
-    res = load_results(out, files)
+    res = results or load_results(out, files)
     v = result or res.verdict
     group = group or res.experiment_id
     common = dict(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(res.dir), group=group,
