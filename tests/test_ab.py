@@ -153,7 +153,7 @@ def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
 def test_multithreaded_cpu_arms_do_not_hang_after_multithreaded_torch_here(tmp_path, tiny_corpus):
     """Found by running a GPU recipe on the CPU: with the preflight probe on (its capture trains in this process at
     the recipe's threads) and train.threads=2, forked arms hung in their first parallel region (GNU OpenMP is not
-    fork-safe) and the correct candidate ended TIMEOUT, exit 1. Such arms are spawned now. The capture may be
+    fork-safe) and the correct candidate ended TIMEOUT, exit 1. Such arms come from the fork server. The capture may be
     cached by another test, so this process's OpenMP pool is started here, as the capture started it; the arm is
     a candidate arm, whose lockstep oracle is where the hang showed."""
     from divergence.ab.runner import Job, run_jobs

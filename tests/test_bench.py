@@ -110,10 +110,10 @@ def test_the_soak_reports_each_arms_one_time_costs(tmp_path):
 
 def test_bench_hands_its_overrides_to_the_soaks_ab(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench.subprocess, "call", lambda cmd, **kw: seen.setdefault("cmd", cmd) and 0)
+    monkeypatch.setattr(bench.subprocess, "call", lambda cmd, **kw: seen.setdefault("cmd", cmd) and 3)
     res = bench.soak(load_recipe("tiny"), tmp_path, ["ab.arm_start=forkserver", "train.steps=5"])
     cmd = seen["cmd"]
     assert cmd[cmd.index("--set") + 1] == "ab.arm_start=forkserver" and cmd.count("--set") == 2
-    assert res["exit_code"] == 0 and res["verdict"] is None and res["one_time"] == {} and res["arms"] == 0
+    assert res["exit_code"] == 3 and res["verdict"] is None and res["one_time"] == {} and res["arms"] == 0
     with pytest.raises(SystemExit):  # --set without --soak would change nothing: refused, not ignored
         bench.main(["--set", "ab.arm_start=forkserver"])

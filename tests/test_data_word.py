@@ -13,6 +13,7 @@ from divergence.data.wordlevel import UNK, train_wordlevel
 from divergence.errors import RecipeError
 from divergence.overrides import sets_to_overrides
 from divergence.recipe import DataConfig, load_recipe
+from test_data import write
 
 # WikiText-2's layout: punctuation apart, `@-@` and `@,@` joiners, the text's own <unk>, a word with a dot inside
 # (`H.`: one word here, two under a pre-tokenizer that splits punctuation). "the" is the most frequent.
@@ -20,12 +21,6 @@ TEXT = "".join(
     f" the {w} sat on the mat , and the {w} @-@ cat saw <unk> 1 @,@ {i % 7} H. americanus . \n"
     for i, w in enumerate(["cat", "dog", "owl", "the"] * 40)
 )
-
-
-def write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
 
 
 @pytest.fixture
@@ -123,13 +118,14 @@ def test_h200_long_word_is_h200_long_on_word_tokens():
 @pytest.mark.real_text
 def test_data_stats_on_wikitext_word_level(tmp_path, capsys):
     """What h200-long-word's comments claim, measured 2026-11-23: 455,097 words + 1 EOT, 18,326 word types, the
-    text's <unk> 5.92% of tokens and 6.35% at 16,384, <unk> and `the` the top rows."""
+    text's <unk> 5.92% of all tokens and 6.35% at 16,384 (6.31% of the train split, which `data stats` prints),
+    <unk> and `the` the top rows."""
     rc = main(["data", "stats", "--recipe", "h200-long", "--set", "data.tokenization=word",
                "--set", f"data.cache_dir={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "432,344 train + 22,754 val" in out and "vocabulary      16,384 ids" in out
-    assert "'<unk>' 6.3" in out and "'the' 5.89%" in out and "',' 4.66%" in out
+    assert "'<unk>' 6.31%" in out and "'the' 5.89%" in out and "',' 4.66%" in out
     assert "1,034.3 gradient contributions at 16,384 tokens/step" in out
     sets = ["data.tokenization=word", "data.vocab_size=32768", f"data.cache_dir={tmp_path}"]
     c = load_corpus(load_recipe("h200-long", sets_to_overrides(sets)).data)

@@ -2,6 +2,7 @@
 run, and strict JSON everywhere."""
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,8 @@ from divergence.recipe import load_recipe
 from divergence.train.arm import ArmSpec, run_arm
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "benchmarks") not in sys.path:  # calibrate.py and rejudge.py, once for every test here
+    sys.path.insert(0, str(ROOT / "benchmarks"))
 GOOD_LS = {"checked_steps": 40, "wrong": False, "first_wrong_step": None, "wrong_steps": 0, "error": None,
            "mutated_input": None, "record": {"median_ratio": 1.0, "limit": 1.5, "checked": 40, "wrong": False}}
 
@@ -262,9 +265,6 @@ def test_every_json_file_of_a_run_parses_strictly(tmp_path):
 
 
 def test_clopper_pearson_of_the_calibration_script():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import clopper_pearson
 
     lo, hi = clopper_pearson(0, 40)
@@ -274,9 +274,6 @@ def test_clopper_pearson_of_the_calibration_script():
 
 
 def test_calibration_script_keeps_only_the_slots_asked_for():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import candidates
 
     good, bad = candidates(False, 2, 1, ["attn_softcap"])
@@ -325,9 +322,6 @@ def test_rejudge_counts_known_good_findings_under_the_rule_asked_for(tmp_path, c
     arm whose burst starts 4 steps before the nulls' is a finding without a lead and not with one; the known-bad
     candidate is counted apart."""
     import gzip
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from rejudge import main as rejudge
 
     steps = list(range(60))
@@ -350,9 +344,6 @@ def test_rejudge_counts_known_good_findings_under_the_rule_asked_for(tmp_path, c
 def test_calibration_run_leaves_distances_any_rule_can_rejudge(tmp_path, capsys):
     """calibrate.py on the CPU (one slot, one seed, 10 steps): its A/Bs, its verdicts, and the arms' distances that
     rejudge.py judges again under another rule without training."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import main as calibrate
     from rejudge import main as rejudge
 
