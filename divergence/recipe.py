@@ -73,7 +73,13 @@ class ModelConfig:
     attn_softcap: Optional[float] = None  # Gemma-2 attention-logit softcap (50.0 there); None = off
     final_softcap: Optional[float] = None  # Gemma-2 final-logit softcap (30.0 there); None = off
     norm_eps: float = 1e-6  # RMSNorm epsilon
-    init_std: float = 0.02  # normal init of linear and embedding weights
+    init_std: float = 0.02  # normal init of the linear weights (and of a tied head)
+    # Normal init of the embedding, which feeds an RMSNorm (scale-invariant): SGD moves a row by lr * g against a
+    # row norm of embed_init_std * sqrt(d_model), and g itself scales as 1 / embed_init_std (through rstd), so the
+    # embedding's SGD learning rate is in effect lr / embed_init_std^2. At 1.0 the rows keep their gradient at the
+    # upstream gradient's scale and barely move under SGD; at 0.02 (GPT-2's, and the lab's: NOTES.md) they train,
+    # and an error in their gradient reaches the SGD loss (README.md, "The optimizer story").
+    embed_init_std: float = 1.0
     tie_embeddings: bool = False  # tie LM head to the embedding (off: the embedding's only consumer is the norm)
     # The width the optimizers' learning rates were written for: at another d_model the hidden matrices' rates
     # scale by base_width / d_model (train/width.py); None = d_model (no scaling). Declared shapes set it.
@@ -97,6 +103,9 @@ class ModelConfig:
             from .hf_config import check_rope_scaling
 
             check_rope_scaling(self.rope_scaling, f"{_j(where)}rope_scaling")
+        for k in ("init_std", "embed_init_std"):
+            if getattr(self, k) <= 0:
+                raise RecipeError(f"{_j(where)}{k}: must be positive, got {getattr(self, k)}")
         for k in ("attn_softcap", "final_softcap"):
             v = getattr(self, k)
             if v is not None and v <= 0:

@@ -41,6 +41,8 @@ DOCUMENTED = {
     "h200": dict(tokens_per_step=16384, params_m=23, optimizers=["sgd", "adamw", "adafactor"]),
     "h200-softcap": dict(tokens_per_step=16384, params_m=23, attn_softcap=20.0, steps=300,
                          optimizers=["sgd", "adamw", "adafactor"]),
+    "h200-story": dict(tokens_per_step=16384, params_m=23, steps=1500, embed_init_std=0.02, sgd_lr=0.1,
+                       optimizers=["sgd", "adamw", "adafactor"]),
 }
 
 
@@ -57,6 +59,12 @@ def test_recipes_are_what_their_comments_say(name):
         assert r.model.attn_softcap == doc["attn_softcap"]
     if "steps" in doc:
         assert r.train.steps == doc["steps"]
+    if "embed_init_std" in doc:
+        assert r.model.embed_init_std == doc["embed_init_std"]
+        model = build_model(r.model, 4096, build_kernels(r.kernels, {}), seed=r.seed)  # 4096 rows: enough for a std
+        assert abs(model.embed.std().item() / doc["embed_init_std"] - 1) < 0.01
+    if "sgd_lr" in doc:
+        assert r.optimizers["sgd"].lr == doc["sgd_lr"]
 
 
 BAD = [
@@ -71,6 +79,7 @@ BAD = [
      "ab.arm_start: unknown 'fork'; known: auto, forkserver, spawn"),
     ("kernels: {flash: reference}", "kernels.flash: unknown slot"),
     ("data: {vocab_size: 100}", "data.vocab_size: 100 is below 260"),
+    ("model: {embed_init_std: 0}", "model.embed_init_std: must be positive, got 0"),
     ("model: [1, 2", "malformed YAML"),
     ("- just a list", "expected a mapping at the top level"),
 ]

@@ -372,3 +372,19 @@ def test_the_ab_judges_each_optimizer_with_the_recipes_lead():
     assert metrics[0]["flagged"]
     cal, metrics = judge_optimizer(cand, nulls, rule(5))
     assert not metrics[0]["flagged"] and not cal["widened"]
+
+
+def test_each_kind_of_evidence_is_dated_by_its_own_metrics():
+    """h200-story, SGD lr 0.1 (2026-11-25): the embedding's gradient norm left at step 0, the loss at step 2; the
+    signal said "loss (first flag at step 0)", the step of the other metric."""
+    def m(metric, step, effect):
+        return {"metric": metric, "flagged": True, "first_step": step, "direction": "higher", "effect_size": effect}
+
+    v = V.optimizer_verdict({"status": "OK"}, [m("loss", 2, 2.4), m("grad_norm/embedding", 0, 7.0),
+                                               {"metric": "kl", "flagged": False}])
+    assert (v["first_step"], v["harmed_step"], v["moved_step"]) == (0, 2, 0)
+    assert "training harmed: loss from step 2" in v["detail"]
+    sig = V.ab_signal({"sgd": v})
+    assert "loss (first flag at step 2)" in sig["reason"], sig["reason"]
+    moved_only = V.optimizer_verdict({"status": "OK"}, [m("grad_norm/mlp", 7, 4.0), m("drift/tail", 3, 5.0)])
+    assert "from step 3" in V.ab_signal({"adamw": moved_only})["reason"]

@@ -187,16 +187,24 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
         return v
     first = flagged[0]
     harms = [m["metric"] for m in flagged if m["metric"].split("/")[0] in TRAINING_METRICS]
+    moved = [m["metric"] for m in flagged if m["metric"] not in harms]
+    # Each kind of evidence carries its own first step: "loss from step 0" when only the embedding's gradient norm
+    # left at step 0 and the loss at step 2 (h200-story, SGD lr 0.1, 2026-11-25) would misdate the harm.
+    harmed_step = min((m["first_step"] for m in flagged if m["metric"] in harms), default=None)
+    moved_step = min((m["first_step"] for m in flagged if m["metric"] in moved), default=None)
+    detail = (f"{first['metric']} left the null envelope at step {first['first_step']} "
+              f"({first['direction']}, {first['effect_size']:.1f}x max(null envelope, floor))")
+    if harms and first["metric"] not in harms:
+        detail += f"; training harmed: {', '.join(harms)} from step {harmed_step}"
     return {
         "verdict": "DIVERGED",
         "metric": first["metric"], "first_step": first["first_step"], "direction": first["direction"],
         "effect_size": first["effect_size"],
         "flagged": [m["metric"] for m in flagged],
-        "harmed": harms, "moved": [m["metric"] for m in flagged if m["metric"] not in harms],
+        "harmed": harms, "moved": moved, "harmed_step": harmed_step, "moved_step": moved_step,
         "too_few_points": too_few,
         "training_harmed": bool(harms),
-        "detail": f"{first['metric']} left the null envelope at step {first['first_step']} "
-                  f"({first['direction']}, {first['effect_size']:.1f}x max(null envelope, floor))",
+        "detail": detail,
     }
 
 
@@ -224,10 +232,11 @@ def ab_signal(per_opt: dict) -> dict:
     moved = {o: v for o, v in per_opt.items() if v.get("moved") and not v.get("harmed")}
     if harmed:
         return _sig("FINDING", "training harmed: " + "; ".join(
-            f"{o}: {', '.join(v['harmed'])} (first flag at step {v['first_step']})" for o, v in harmed.items()))
+            f"{o}: {', '.join(v['harmed'])} (first flag at step {v.get('harmed_step', v['first_step'])})"
+            for o, v in harmed.items()))
     if moved:
         return _sig("FINDING", "weights or gradients moved, loss inside the envelope: " + "; ".join(
-            f"{o}: {', '.join(v['moved'])} from step {v['first_step']}" for o, v in moved.items()))
+            f"{o}: {', '.join(v['moved'])} from step {v.get('moved_step', v['first_step'])}" for o, v in moved.items()))
     if errors:
         return _sig("INCONCLUSIVE", "; ".join(f"{o}: {v.get('detail', '')}" for o, v in errors.items()))
     few = {o: v["too_few_points"] for o, v in per_opt.items() if "loss" in (v.get("too_few_points") or [])}

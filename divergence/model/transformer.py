@@ -104,9 +104,10 @@ class Transformer(nn.Module):
                 # Residual projections scaled by depth (GPT-2) so the residual stream stays O(1).
                 s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "down.weight")) else std
                 nn.init.normal_(p, 0.0, s)
-        # The embedding feeds an RMSNorm, which is scale-invariant: unit-variance rows keep its gradient at the
-        # scale of the upstream gradient (at std 0.02 it would be 50x larger, through rstd = 1/0.02).
-        nn.init.normal_(self.embed, 0.0, 1.0)
+        # The embedding feeds an RMSNorm, which is scale-invariant: at the default 1.0 its rows keep their gradient
+        # at the scale of the upstream gradient (at 0.02 it is 50x larger, through rstd = 1/0.02, and the rows
+        # train under SGD: recipe.ModelConfig.embed_init_std says why that matters).
+        nn.init.normal_(self.embed, 0.0, self.cfg.embed_init_std)
         if self.cfg.tie_embeddings:
             self.head.weight = self.embed
 
