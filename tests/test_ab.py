@@ -200,14 +200,14 @@ def test_fork_served_arms_see_the_environment_and_folder_of_now_not_of_the_serve
         assert json.loads(out.read_text()) == {"mark": mark, "cwd": str(tmp_path / mark)}
 
 
-def test_a_served_arm_that_finds_cuda_loaded_says_so_in_its_last_words(tmp_path, monkeypatch, tiny_corpus):
-    """CUDA does not survive a fork: a served arm whose server had loaded the driver must stop, and the arm's
+def test_a_served_arm_that_finds_cuda_started_says_so_in_its_last_words(tmp_path, monkeypatch, tiny_corpus):
+    """CUDA does not survive a fork: a served arm whose server had started CUDA must stop, and the arm's
     CRASH must name the cause and the key to change (its last words come from its log)."""
     from divergence.ab import runner
     from divergence.recipe import load_recipe
     from divergence.train.arm import ArmSpec
 
-    monkeypatch.setattr(runner, "_cuda_loaded", lambda: True)
+    monkeypatch.setattr(runner, "_cuda_started_before_fork", lambda: True)
     recipe = load_recipe("tiny", {"train": {"steps": 4}, "ab": {"arm_start": "forkserver"}})
     # forked, not served: the stand-in must reach the child, and the server's children would not see it
     monkeypatch.setattr(runner, "_context", lambda method: __import__("multiprocessing").get_context("fork"))
@@ -247,7 +247,7 @@ def test_arms_from_the_fork_server_train_bitwise_as_forked_arms(tmp_path, tiny_c
     from divergence.train.arm import ArmSpec
 
     assert start_method("cpu", 1) == "fork" and start_method("cpu", 2) == "forkserver"
-    assert start_method("cuda", 1) == "spawn" and start_method("cuda", 4, "forkserver") == "forkserver"
+    assert start_method("cuda", 1) == "forkserver" and start_method("cuda", 4, "spawn") == "spawn"
     assert start_method("cpu", 1, "forkserver") == "forkserver" and start_method("cpu", 2, "spawn") == "spawn"
     spec = ArmSpec(name="candidate", optimizer="sgd", kernels={"fused_embed_rmsnorm": "zoo:embed_chunked_fp32"},
                    lockstep="fused_embed_rmsnorm")

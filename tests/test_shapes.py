@@ -372,7 +372,7 @@ def _arm(folder: Path, status="OK", losses=None, **extra):
 
 
 def test_a_reference_that_went_to_nan_or_did_not_train_is_one_clear_line(tmp_path):
-    from divergence.ab.health import arm_reason, reference_problem
+    from divergence.ab.health import harness_failure, reference_problem
 
     r = load_recipe("tiny", {"shapes": {"hidden": 256}})
     st = _arm(tmp_path / "nan", "NAN", stop_step=12, stop_where="train loss")
@@ -387,10 +387,19 @@ def test_a_reference_that_went_to_nan_or_did_not_train_is_one_clear_line(tmp_pat
     assert "above its start from step 10 on" in msg
     assert reference_problem(r, "sgd", _arm(tmp_path / "ok", "OK", [5.0, 4.0, 3.0]), tmp_path / "ok") is None
     # no reason is ever empty (the issue saw "did not finish: ; ;")
-    assert arm_reason("sgd/null-1", {"status": "NAN", "stop_step": 3, "stop_where": "train loss"}) == \
-        "sgd/null-1 went to NaN at step 3 (train loss)"
-    assert arm_reason("sgd/null-2", None).endswith("never wrote arm.json (it did not start)")
-    assert arm_reason("sgd/null-2", {"status": "TIMEOUT"}) == "sgd/null-2 ended with TIMEOUT"
+    arms = {"sgd/null-1": {"status": "NAN", "stop_step": 3, "stop_where": "train loss"}, "sgd/null-3": {"status": "TIMEOUT"}}
+    assert harness_failure(r, ["sgd/null-1", "sgd/null-2", "sgd/null-3"], arms) == (
+        "harness arm(s) sgd/null-1, sgd/null-2, sgd/null-3 did not finish: sgd/null-1 went to NaN at step 3 "
+        "(train loss); sgd/null-2 never wrote arm.json (it did not start); sgd/null-3 ended with TIMEOUT")
+    # Arms that failed alike are named together; CUDA's out-of-memory text (the GPU's every process, 2026-11-25)
+    # is cut to its first sentence and says what to change.
+    oom = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of "
+           "79.18 GiB of which 490.50 MiB is free. Process 491 has 872.00 MiB memory in use. Process 589 has 8.6")
+    arms = {k: {"status": "CRASH", "error": oom} for k in ("sgd/reference", "sgd/null-2")}
+    msg = harness_failure(r, ["sgd/reference", "sgd/null-2"], arms)
+    assert msg == ("harness arm(s) sgd/reference, sgd/null-2 did not finish: sgd/reference, sgd/null-2 CRASH: "
+                   f"OutOfMemoryError: CUDA out of memory (the GPU ran out of memory with up to {r.ab.workers} arms "
+                   f"at once: lower ab.workers, e.g. --set ab.workers={max(1, r.ab.workers // 2)}, then --resume)")
     from divergence.detect.verdict import optimizer_verdict
 
     assert optimizer_verdict({"status": "TIMEOUT"}, [])["detail"].endswith("ended with TIMEOUT and gave no reason")

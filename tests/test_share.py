@@ -139,6 +139,28 @@ def test_resume_repeats_no_arm_shared_or_not(runs, tmp_path):
         [r["verdict"] for r in json.loads((root / "soak" / "soak.json").read_text())["rows"]]
 
 
+def test_resume_trains_a_crashed_harness_arm_again_and_keeps_a_crashed_candidate(runs, tmp_path):
+    """A reference or null arm that crashed (out of GPU memory with too many arms at once, 2026-11-25) failed for
+    the machine's reasons: resume trains it again. A candidate's crash is the finding: resume keeps it."""
+    import shutil
+
+    root, _ = runs
+    out = tmp_path / "soak"
+    shutil.copytree(root / "soak", out, symlinks=True)
+    before = arm_infos(out)
+    owner = next(k for k, st in before.items() if k.endswith("null-1") and "shared_from" not in st)
+    cand = next(k for k in before if k.endswith("candidate"))
+    for k in (owner, cand):
+        p = out / k / "arm.json"
+        p.write_text(json.dumps(dict(json.loads(p.read_text()), status="CRASH",
+                                     error="OutOfMemoryError: CUDA out of memory.")))
+    main(["soak", "--resume", str(out), "--no-wandb"])
+    after = arm_infos(out)
+    assert after[owner]["status"] == "OK" and "shared_from" not in after[owner]  # trained again
+    assert after[cand]["status"] == "CRASH"  # kept
+    assert json.loads((out / "soak.json").read_text())["arms"]["trained"] == 1
+
+
 def test_a_cache_write_cut_short_leaves_no_entry(tmp_path, monkeypatch):
     """A run killed while storing an arm (here: mid-copy) leaves nothing a later run would take for an arm."""
     from divergence.ab import share
@@ -165,3 +187,18 @@ def test_a_cache_write_cut_short_leaves_no_entry(tmp_path, monkeypatch):
         src / "snapshots" / "embed_000000.npy")  # a hard link, not a second copy
     (src / "arm.json").write_text('{"status": "TIMEOUT"}')
     assert cache.put("bad", src, {}) is None and cache.get("bad") is None  # only arms that finished OK are kept
+
+
+def test_a_new_run_into_a_folder_holding_one_is_refused(runs, capsys):
+    """`--out` naming an earlier run's folder kept that run's finished arms as the new run's, whatever recipe or
+    candidate trained them (found 2026-11-25 on the GPU: a rerun reused 12 arms that had crashed). Refused in one
+    line, the folder untouched; --resume is the way to continue one."""
+    root, _ = runs
+    soak_dir = root / "soak"
+    plan = (root / "ab0" / "plan.json").read_text()
+    assert ab(root / "ab0", root / "tiny10.yaml", CANDS[1]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds an A/B run (plan.json); continue it with --resume" in err and "\n" not in err
+    assert (root / "ab0" / "plan.json").read_text() == plan
+    assert main(["soak", str(root / "soak.yaml"), "--out", str(soak_dir), "--no-wandb"]) == 2
+    assert "already holds a soak (soak-plan.json)" in capsys.readouterr().err

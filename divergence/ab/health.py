@@ -15,16 +15,42 @@ import numpy as np
 from ..train.metrics import read_metrics
 
 
-def arm_reason(key: str, st: Optional[dict]) -> str:
+def _why(st: Optional[dict]) -> str:
     """Why one arm did not finish, in words: never empty."""
     if not st:
-        return f"{key} never wrote arm.json (it did not start)"
+        return "never wrote arm.json (it did not start)"
     status = st.get("status") or "no status"
     if st.get("error"):
-        return f"{key} {status}: {st['error']}"
+        return f"{status}: {_short(st['error'])}"
     if status == "NAN":
-        return f"{key} went to NaN at step {st.get('stop_step')} ({st.get('stop_where') or 'non-finite value'})"
-    return f"{key} ended with {status}"
+        return f"went to NaN at step {st.get('stop_step')} ({st.get('stop_where') or 'non-finite value'})"
+    return f"ended with {status}"
+
+
+# CUDA's out-of-memory text goes on to list every process on the GPU: over 500 characters per arm, and with 18 arms
+# at once (2026-11-25, H100 80 GiB) the one-line reason ran to several thousand characters saying the same thing.
+_OOM = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def _short(error: str) -> str:
+    if "out of memory" in error.lower():
+        return error.split(". ")[0].rstrip(".")  # "OutOfMemoryError: CUDA out of memory" (+ "Tried to allocate ...")
+    return error
+
+
+def harness_failure(recipe, bad: list, arms: dict) -> str:
+    """One line for the harness arms of an optimizer that did not finish: arms that failed alike are named together,
+    and running out of GPU memory says what to change."""
+    alike = {}
+    for k in bad:
+        alike.setdefault(_why(arms.get(k)), []).append(k)
+    line = (f"harness arm(s) {', '.join(bad)} did not finish: "
+            + "; ".join(f"{', '.join(keys)} {why}" for why, keys in alike.items()))
+    errors = [(arms.get(k) or {}).get("error") or "" for k in bad]
+    if any(m.lower() in e.lower() for e in errors for m in _OOM):
+        line += (f" (the GPU ran out of memory with up to {recipe.ab.workers} arms at once: lower ab.workers, "
+                 "e.g. --set ab.workers=" + str(max(1, recipe.ab.workers // 2)) + ", then --resume)")
+    return line
 
 
 def _fix(recipe, opt: str) -> str:

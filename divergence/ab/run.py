@@ -85,6 +85,9 @@ def cmd_ab(args, publish=None) -> int:
     if not args.resume:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(args.out or Path("results") / f"{slot}-{impl.name}-{recipe.name}-{stamp}")
+        if (out / "plan.json").exists():  # its finished arms would be kept as this run's, whatever they trained
+            raise UserError(f"{out}: already holds an A/B run (plan.json); continue it with --resume {out}, or give "
+                            "another --out")
         out.mkdir(parents=True, exist_ok=True)
         write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=defn.path if defn else None)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
@@ -249,8 +252,7 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
             continue
         bad = [k for k in [f"{opt}/reference"] + null_keys if arms.get(k, {}).get("status") != "OK"]
         if bad:
-            per_opt[opt] = {"verdict": "ERROR", "detail": f"harness arm(s) {', '.join(bad)} did not finish: "
-                            + "; ".join(health.arm_reason(k, arms.get(k)) for k in bad)}
+            per_opt[opt] = {"verdict": "ERROR", "detail": health.harness_failure(recipe, bad, arms)}
             continue
         null_d = [files.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = files.distances(ref_dir, out / opt / "candidate", buckets, smooth) \

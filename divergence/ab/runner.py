@@ -3,8 +3,8 @@
 One-thread CPU arms are forked (torch is already imported: a fork starts in milliseconds, a fresh interpreter in
 ~4 s), `workers` at a time. CPU arms of several threads (GNU OpenMP does not survive a fork: start_method) come from a
 fork server: one clean interpreter per asking process that imported the training code once and has run no torch op,
-each arm a fork of it. CUDA arms (CUDA does not survive a fork) are spawned, or come from the fork server with
-`ab.arm_start: forkserver` (not yet measured on a GPU). A watchdog ends an arm with TIMEOUT when its metrics file
+each arm a fork of it. So do CUDA arms: the server never starts CUDA (which does not survive a fork), each arm starts
+its own. A watchdog ends an arm with TIMEOUT when its metrics file
 stops growing for `step_timeout_s` or it outlives `arm_timeout_s`.
 """
 from __future__ import annotations
@@ -69,12 +69,26 @@ def arm_status(out_dir: Path):
         return None
 
 
+# What a resume trains again although it ended: a reference or null arm (no candidate code) that crashed or timed
+# out failed for the machine's reasons, not as a finding (2026-11-25, H100 80 GiB: 18 arms at once, 8.6 GiB each,
+# ended in CUDA out-of-memory and cuBLAS allocation errors). A candidate's arm keeps whatever it ended with: its
+# crash is what the verdict is about. A NaN is kept everywhere: the same recipe would reach it again.
+RETRIED = ("CRASH", "TIMEOUT")
+
+
+def kept_on_resume(job, st) -> bool:
+    """Whether a resume keeps the arm whose arm.json (as read by arm_status) is `st` instead of training it."""
+    if not st or st.get("status") not in DONE:
+        return False
+    return job.spec.name == "candidate" or st["status"] not in RETRIED
+
+
 def split_finished(jobs) -> tuple:
-    """({key: arm info} of the arms already finished (a resume keeps them), [the jobs still to run])."""
+    """({key: arm info} of the arms a resume keeps (kept_on_resume), [the jobs still to run])."""
     done, todo = {}, []
     for job in jobs:
         st = arm_status(job.out_dir)
-        if st and st.get("status") in DONE:
+        if kept_on_resume(job, st):
             done[job.key] = st
         else:
             todo.append(job)
@@ -106,12 +120,13 @@ def enter_world(world) -> None:
     os.environ.update(world["env"])
 
 
-def _cuda_loaded() -> bool:
-    try:
-        with open("/proc/self/maps") as f:
-            return any("libcuda.so" in line for line in f)
-    except OSError:  # not Linux: nothing to tell
-        return False
+def _cuda_started_before_fork() -> bool:
+    """Whether this fork-served arm inherited a started CUDA context (which it cannot use). Not whether the driver
+    library is mapped: the preloads map libcuda.so (2026-11-25, H100, torch 2.11) without starting CUDA, and an arm
+    forked from there ran CUDA fine; the first form of this check looked for the mapping and failed every arm."""
+    import torch
+
+    return bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
 
 
 def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
@@ -129,8 +144,8 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     sys.stdout = sys.stderr = log
     faulthandler.disable()  # re-arms its signal handlers, which a parent's Lightning or Ray took (probe/isolate.py)
     faulthandler.enable(file=log)  # a crash dump goes to the arm's log, not to a descriptor inherited from above
-    if world is not None and _cuda_loaded():  # here, after the log: its last words name the cause
-        raise RuntimeError("the fork server had loaded the CUDA driver before forking this arm, which CUDA does not "
+    if world is not None and _cuda_started_before_fork():  # here, after the log: its last words name the cause
+        raise RuntimeError("the fork server had started CUDA before forking this arm, which CUDA does not "
                            "survive; set ab.arm_start: spawn")
     from ..detect.lockstep import Lockstep
     from ..train import module  # noqa: F401  (Lightning: 5-20 s of a spawned arm's start on 2 cores)
@@ -234,13 +249,13 @@ def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
     threads come from the fork server: GNU OpenMP is not fork-safe, and once this process has run multi-threaded
     torch (the preflight probe's capture trains at the recipe's threads) a plainly forked arm's first parallel region
     waits forever for threads that were not forked (2026-11-23, 2-core CPU: `tiny` at train.threads=2 with the probe
-    on, the candidate's arm hung in its lockstep oracle: TIMEOUT, exit 1, against a correct kernel). CUDA arms are
-    spawned unless the recipe asks for the fork server (measured on the CPU only so far)."""
+    on, the candidate's arm hung in its lockstep oracle: TIMEOUT, exit 1, against a correct kernel). CUDA arms come
+    from the fork server too: 2026-11-25, one H100, the default A/B (h200, 18 arms at 200 steps, --no-probe) took
+    226 s spawned and 133 s served, with the same verdict; an arm's start and imports (arm.json boot_s) went from a
+    median 17.1 s to 0.05 s (the first served arm: 15.7 s, which starts the server)."""
     if arm_start == "spawn":
         return "spawn"
-    if device == "cuda":
-        return "forkserver" if arm_start == "forkserver" else "spawn"
-    if arm_start == "forkserver" or threads > 1:
+    if device == "cuda" or arm_start == "forkserver" or threads > 1:
         return "forkserver"
     return "fork"
 

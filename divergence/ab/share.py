@@ -33,7 +33,7 @@ from typing import Optional
 
 from .. import paths
 from ..train.metrics import write_json
-from .runner import DONE, arm_status
+from .runner import DONE, arm_status, kept_on_resume
 
 # The sources an arm's training runs (ab/runner's child only sets up the process; detect/ is the candidate arm's).
 CODE = ("errors.py", "recipe.py", "data", "slots", "candidates", "model", "train")
@@ -200,7 +200,7 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
 
 
 def _keep_or_train(job, status: dict, results: dict, todo: list, counts: dict):
-    if _finished(status[job.key]):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
+    if kept_on_resume(job, status[job.key]):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
         results[job.key] = status[job.key]
         counts["kept"] += 1
     else:
@@ -237,7 +237,7 @@ def _from_cache(groups: dict, cache: ArmsCache, fresh: bool, keep_or_train) -> d
 def _log_plan(jobs, todo, groups: dict, source: dict, cache: ArmsCache, fresh: bool, status: dict):
     where = cache.root if cache.root is not None else "off"
     waiting = [(k, j) for k, (_, g) in groups.items() for j in g if j is not g[0] or k in source]
-    linked = [k for k, j in waiting if not _finished(status[j.key])]
+    linked = [k for k, j in waiting if not kept_on_resume(j, status[j.key])]
     print(f"  arms: {len(jobs)} in all: {len(todo)} to train, {sum(k not in source for k in linked)} shared with "
           f"an arm trained for another candidate, {sum(k in source for k in linked)} from the arms cache ({where}"
           f"{', --fresh' if fresh else ''}), {len(jobs) - len(todo) - len(linked)} finished before", flush=True)
@@ -249,7 +249,7 @@ def _link_group(group: list, src_from: tuple, status: dict, results: dict, count
     for job in group:
         if job.key in results:
             continue  # the owner
-        if _finished(status[job.key]):
+        if kept_on_resume(job, status[job.key]):
             results[job.key] = status[job.key]
             counts["kept"] += 1
             continue

@@ -174,6 +174,9 @@ def _started(args) -> tuple:
     backend, address = _backend(soak, args)
     soak["created"] = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("results") / f"soak-{soak['name']}-{soak['created']}")
+    if (out / "soak-plan.json").exists():  # its cells' finished arms would be kept as this soak's
+        raise UserError(f"{out}: already holds a soak (soak-plan.json); continue it with --resume {out}, or give "
+                        "another --out")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "soak-plan.json", soak)
     return soak, out, backend, address
