@@ -220,24 +220,24 @@ def _coerce(value, tp, where):
         return _build(tp, value, where)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecipeError(f"{where}: expected a number, got {value!r}")
+            raise RecipeError(f"{_at(where)}: expected a number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{where}: expected an integer, got {value!r}")
+            raise RecipeError(f"{_at(where)}: expected an integer, got {value!r}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise RecipeError(f"{where}: expected true or false, got {value!r}")
+            raise RecipeError(f"{_at(where)}: expected true or false, got {value!r}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise RecipeError(f"{where}: expected a string, got {value!r}")
+            raise RecipeError(f"{_at(where)}: expected a string, got {value!r}")
         return value
     if tp in (list, dict) or origin in (list, dict):
         want = origin or tp
         if not isinstance(value, want):
-            raise RecipeError(f"{where}: expected a {want.__name__}, got {value!r}")
+            raise RecipeError(f"{_at(where)}: expected a {want.__name__}, got {value!r}")
         return value
     return value
 
@@ -245,6 +245,11 @@ def _coerce(value, tp, where):
 def _j(where: str) -> str:
     """Prefix for a key below `where`: `recipes/x.yaml: model.n_heads` names the file, then the dotted key."""
     return where + " " if where.endswith(":") else where + "."
+
+
+def _at(where: str) -> str:
+    """`where` before a colon of its own: the top level's `recipes/x.yaml:` would otherwise read `x.yaml:: ...`."""
+    return where.removesuffix(":")
 
 
 def _join(where: str, key: str) -> str:
@@ -255,12 +260,12 @@ def _build(cls, raw, where):
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping, got {raw!r}")
+        raise RecipeError(f"{_at(where)}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(sorted(names))}")
+        raise RecipeError(f"{_at(where)}: unknown key {unknown[0]!r}; known: {', '.join(sorted(names))}")
     kwargs = {k: _coerce(v, hints[k], _join(where, k)) for k, v in raw.items()}
     obj = cls(**kwargs)
     if hasattr(obj, "validate"):

@@ -80,6 +80,7 @@ BAD = [
     ("kernels: {flash: reference}", "kernels.flash: unknown slot"),
     ("data: {vocab_size: 100}", "data.vocab_size: 100 is below 260"),
     ("model: {embed_init_std: 0}", "model.embed_init_std: must be positive, got 0"),
+    ("bogus: 1", "bad.yaml: unknown key 'bogus'; known: ab, data"),
     ("model: [1, 2", "malformed YAML"),
     ("- just a list", "expected a mapping at the top level"),
 ]
@@ -94,6 +95,7 @@ def test_bad_recipe_message(tmp_path, text, message):
     assert message in str(e.value)
     assert str(p) in str(e.value)  # names the file
     assert "\n" not in str(e.value)  # one line
+    assert "::" not in str(e.value)  # the top level's `bad.yaml:` read `bad.yaml:: unknown key` (2026-11-25)
 
 
 def test_missing_recipe_lists_known():

@@ -244,3 +244,20 @@ def test_the_page_and_wandb_show_every_signal(results):
         assert str(escape(words.SIGNAL_NAMES[name])) in text
         assert str(escape(sig["reason"])) in text, name
     assert f"Exit code {v['exit_code']}" in text
+
+
+def test_the_flag_line_is_drawn_at_the_margin_the_verdict_used():
+    """Where the leave-one-out check widened an optimizer's margin, the plot's flag line is at the widened margin:
+    drawn at the rule's 3x it showed a candidate over the line and not flagged (h200-story, SGD lr 0.5,
+    2026-11-25)."""
+    from divergence.report.plots import _margin
+
+    class Res:
+        verdict = {"rule": {"margin": 3.0}, "optimizers": {
+            "sgd": {"calibration": {"margin": 9.13, "widened": True}}, "adamw": {"calibration": {"margin": 3.0}},
+            "adafactor": {}}}
+
+        def opt_verdict(self, opt):
+            return self.verdict["optimizers"][opt]
+
+    assert (_margin(Res(), "sgd"), _margin(Res(), "adamw"), _margin(Res(), "adafactor")) == (9.13, 3.0, 3.0)

@@ -77,6 +77,14 @@ def ahead(env: np.ndarray, steps: np.ndarray, lead: int) -> np.ndarray:
     return env[np.searchsorted(steps, steps + lead, side="right") - 1]  # a running max: never below env
 
 
+def compared(metric, steps, cand, cand_signed, null_series: list, lead: int = 0) -> tuple:
+    """What the rule compares for one metric: (steps, candidate, signed, [null dists], envelope read `lead` steps
+    ahead, floor), matched by step. The verdict judges it and the report draws it (report/plots.py)."""
+    steps, cand, cand_signed, nulls = align(np.asarray(steps), cand, cand_signed, null_series)
+    env = ahead(envelope(nulls), steps, lead) if nulls else np.zeros(len(steps))
+    return steps, cand, cand_signed, nulls, env, floor_for(metric)
+
+
 def judge_metric(metric, steps, cand, cand_signed, nulls, margin, window, null_steps=None, lead: int = 0) -> dict:
     """One metric: the candidate's distances against the envelope of the null arms' distances, aligned by step.
 
@@ -85,10 +93,9 @@ def judge_metric(metric, steps, cand, cand_signed, nulls, margin, window, null_s
     `critical_margin` is the largest margin at which it would still be flagged (max over windows of the window's
     smallest (d - floor) / envelope)."""
     null_steps = null_steps if null_steps is not None else [steps] * len(nulls)
-    steps, cand, cand_signed, nulls = align(np.asarray(steps), cand, cand_signed, list(zip(null_steps, nulls)))
+    steps, cand, cand_signed, nulls, env, floor = compared(metric, steps, cand, cand_signed,
+                                                           list(zip(null_steps, nulls)), lead)
     n = len(steps)
-    env = ahead(envelope(nulls), steps, lead) if nulls else np.zeros(n)
-    floor = floor_for(metric)
     w = excess(cand, env, floor, window)
     with np.errstate(divide="ignore", invalid="ignore"):
         # The effect size in units of max(null envelope, floor): where the nulls sat closer to the reference than

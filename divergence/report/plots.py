@@ -170,6 +170,13 @@ def loss_curves(res, path):
     _save(fig, path, axes.flat)
 
 
+def _margin(res, opt: str) -> float:
+    """The margin `opt` was judged at: the rule's, or wider where the leave-one-out check widened it (a flag line
+    drawn at the rule's margin showed a candidate over the line and not flagged: h200-story, SGD lr 0.5)."""
+    cal = res.opt_verdict(opt).get("calibration") or {}
+    return cal.get("margin") or res.verdict.get("rule", {}).get("margin", 3.0)
+
+
 def _pick(res, opt: str, family: str):
     """The metric of a family to show: the first flagged one, else the one that came closest to its flag line."""
     ms = [m for m in res.opt_verdict(opt).get("metrics", []) if m["metric"].split("/")[0] == family]
@@ -178,7 +185,7 @@ def _pick(res, opt: str, family: str):
     flagged = sorted((m for m in ms if m["flagged"]), key=lambda m: (m["first_step"], -m["effect_size"]))
     if flagged:
         return flagged[0]["metric"]
-    margin = res.verdict.get("rule", {}).get("margin", 3.0)
+    margin = _margin(res, opt)
 
     def closeness(m):
         return m["final_distance"] / max(margin * m["final_envelope"] + vrule.floor_for(m["metric"]), 1e-300)
@@ -196,7 +203,7 @@ def distance_curves(res, path):
         return "no distances to draw: the candidate finished under no optimizer (" + \
             ", ".join(f"{o}: {x}" for o, x in st.items()) + ")"
     fig, axes = _grid(len(fams), len(opts))
-    margin = res.verdict.get("rule", {}).get("margin", 3.0)
+    lead = res.verdict.get("rule", {}).get("lead", 0)
     for j, opt in enumerate(opts):
         dists = res.distances(opt)
         cand_d = dists.get("candidate", {})
@@ -210,20 +217,20 @@ def distance_curves(res, path):
                 _empty(ax, f"{opt}: {fam}\n{why}")
                 continue
             c = cand_d[m]
-            # Matched by step, as the verdict matches them (detect/verdict.align), not by index.
-            steps, cand, _, nulls = vrule.align(c["steps"], c["dist"], c["signed"], [
-                (d[m]["steps"], d[m]["dist"]) for name, d in dists.items() if name.startswith("null-") and m in d])
+            # What the verdict compared (matched by step, the envelope `lead` steps ahead), at the margin it used.
+            steps, cand, _, nulls, env, floor = vrule.compared(m, c["steps"], c["dist"], c["signed"], [
+                (d[m]["steps"], d[m]["dist"]) for name, d in dists.items() if name.startswith("null-") and m in d],
+                lead)
             n = len(steps)
-            lead = res.verdict.get("rule", {}).get("lead", 0)
-            env = vrule.ahead(vrule.envelope(nulls), np.asarray(steps), lead) if nulls else np.zeros(n)
-            floor = vrule.floor_for(m)
+            margin = _margin(res, opt)
             limit = margin * env + floor
             lo = _log_floor(cand, env, limit, *nulls, floor=floor)
             ax.fill_between(steps, lo, _clip(env, lo), color=ENV, lw=0, label="null envelope (largest null so far" + (f", {lead} steps ahead)" if lead else ")"))
             for k, x in enumerate(nulls):
                 ax.plot(steps, _clip(x, lo), color=NULL, lw=0.8, label="null arms" if k == 0 else None)
             ax.plot(steps, _clip(limit, lo), color=LIMIT, ls="--", lw=1.2,
-                    label=f"flag line: {margin:g}x envelope + floor")
+                    label=f"flag line: {margin:.3g}x envelope + floor"
+                    + (" (margin widened: leave-one-out)" if (res.opt_verdict(opt).get("calibration") or {}).get("widened") else ""))
             ax.plot(steps, _clip(cand, lo), color=CAND, lw=1.4, marker="o" if n <= 60 else None, ms=3,
                     label="candidate")
             mr = res.metric_result(opt, m)
