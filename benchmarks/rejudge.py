@@ -29,7 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from divergence.ab.run import judge_context, judge_optimizer  # noqa: E402
+from divergence.ab.run import judge_context  # noqa: E402
+from divergence.detect.verdict import judge_optimizer  # noqa: E402
 
 from calibrate import KNOWN_BAD  # noqa: E402  (benchmarks/ is on the path: this file's folder)
 

@@ -357,11 +357,11 @@ def test_calibration_run_leaves_distances_any_rule_can_rejudge(tmp_path, capsys)
 
 
 def test_the_ab_judges_each_optimizer_with_the_recipes_lead():
-    """ab/run.judge_optimizer, what `divergence ab`, the soak and rejudge.py judge through, applies the rule's lead
+    """verdict.judge_optimizer, what `divergence ab`, the soak and rejudge.py judge through, applies the rule's lead
     to the candidate and to the leave-one-out calibration alike."""
     from types import SimpleNamespace
 
-    from divergence.ab.run import judge_optimizer
+    from divergence.detect.verdict import judge_optimizer
 
     steps = np.arange(60)
     burst = lambda at: {"loss": {"steps": steps, "dist": np.where(steps < at, 1e-3 * 1.1 ** steps, 0.5),

@@ -228,13 +228,6 @@ def judge_context(recipe, corpus, vocab: int) -> tuple:
     return bucket_rows(corpus.rank, vocab), max(1, recipe.train.steps // 50)
 
 
-def judge_optimizer(cand_d: dict, null_d: list, rule) -> tuple:
-    """(leave-one-out calibration, per-metric results) of one optimizer's candidate against its null arms, under
-    `rule` (recipe.ab, or anything with margin, window and lead: benchmarks/rejudge.py)."""
-    cal = verdict.calibrate(null_d, rule.margin, rule.window, rule.lead)
-    return cal, (verdict.judge_arm(cand_d, null_d, cal["margin"], rule.window, rule.lead) if cand_d else [])
-
-
 def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, probe=None, probe_error=None,
           files=None) -> dict:
     """verdict.json's content; `files`: the run's compare.ArmFiles (a fresh one if None)."""
@@ -257,7 +250,7 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         null_d = [files.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = files.distances(ref_dir, out / opt / "candidate", buckets, smooth) \
             if cand_st.get("status") == "OK" else {}
-        cal, metrics = judge_optimizer(cand_d, null_d, recipe.ab)
+        cal, metrics = verdict.judge_optimizer(cand_d, null_d, recipe.ab)
         v = verdict.optimizer_verdict(cand_st, metrics)
         v["metrics"] = metrics
         v["calibration"] = cal

@@ -166,6 +166,13 @@ def calibrate(null_ds: list, margin: float, window: int, lead: int = 0) -> dict:
     return out
 
 
+def judge_optimizer(cand_d: dict, null_d: list, rule) -> tuple:
+    """(leave-one-out calibration, per-metric results) of one optimizer's candidate against its null arms, under
+    `rule` (recipe.ab, or anything with margin, window and lead: benchmarks/rejudge.py)."""
+    cal = calibrate(null_d, rule.margin, rule.window, rule.lead)
+    return cal, (judge_arm(cand_d, null_d, cal["margin"], rule.window, rule.lead) if cand_d else [])
+
+
 def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     """PASS / DIVERGED / NAN / CRASH / TIMEOUT for one optimizer, with the earliest flagged metric.
 
