@@ -15,7 +15,7 @@ import typing
 
 import yaml
 
-from .errors import RecipeError
+from .errors import RecipeError, UserError
 from .names import OPTIMIZER_NAMES, SLOT_NAMES
 from .recipe import OptimizerConfig, Recipe, _coerce, _merge
 
@@ -90,3 +90,20 @@ def sets_to_overrides(items) -> dict:
             value = {part: value}
         out = _merge(out, value)
     return out
+
+
+# The recipe keys that decide how arms run, not what they train: a resumed run may change them (`--resume DIR --set
+# ab.workers=4`), e.g. fewer arms at once after the GPU ran out of memory (2026-11-25, H100: 18 arms of 8.6 GiB).
+RESUMABLE = ("ab.arm_start", "ab.arm_timeout_s", "ab.step_timeout_s", "ab.workers")
+
+
+def resume_overrides(items, what: str) -> dict:
+    """--set on a --resume: only RESUMABLE keys; any other is refused in one line naming it."""
+    over = sets_to_overrides(items)
+    keys = [f"{k}.{j}" for k, v in over.items() for j in (v if isinstance(v, dict) else {"": None})]
+    bad = [k.rstrip(".") for k in keys if k not in RESUMABLE]
+    if bad:
+        raise UserError(f"--set {bad[0]}: a resumed {what} keeps the recipe it started with; only how its arms run "
+                        f"may change ({', '.join(RESUMABLE)}); start a new {what} for anything else")
+    return over
+

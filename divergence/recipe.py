@@ -73,7 +73,7 @@ class ModelConfig:
     attn_softcap: Optional[float] = None  # Gemma-2 attention-logit softcap (50.0 there); None = off
     final_softcap: Optional[float] = None  # Gemma-2 final-logit softcap (30.0 there); None = off
     norm_eps: float = 1e-6  # RMSNorm epsilon
-    init_std: float = 0.02  # normal init of the linear weights (and of a tied head)
+    init_std: float = 0.02  # normal init of the linear weights (a tied head is the embedding: embed_init_std)
     # Normal init of the embedding, which feeds an RMSNorm (scale-invariant): SGD moves a row by lr * g against a
     # row norm of embed_init_std * sqrt(d_model), and g itself scales as 1 / embed_init_std (through rstd), so the
     # embedding's SGD learning rate is in effect lr / embed_init_std^2. At 1.0 the rows keep their gradient at the

@@ -246,18 +246,28 @@ def test_the_page_and_wandb_show_every_signal(results):
     assert f"Exit code {v['exit_code']}" in text
 
 
-def test_the_flag_line_is_drawn_at_the_margin_the_verdict_used():
-    """Where the leave-one-out check widened an optimizer's margin, the plot's flag line is at the widened margin:
-    drawn at the rule's 3x it showed a candidate over the line and not flagged (h200-story, SGD lr 0.5,
-    2026-11-25)."""
-    from divergence.report.plots import _margin
+def test_the_flag_line_is_drawn_and_worded_at_the_margin_the_verdict_used(results, tmp_path):
+    """Where the leave-one-out check widened an optimizer's margin, the plot's flag line, the metric table's limit
+    and the words are at the widened margin: at the rule's 3x the plot showed a candidate over the line and not
+    flagged, and the page said training "stayed within 3x" (h200-story, SGD lr 0.5, 2026-11-25: margin 19.1)."""
+    from divergence.detect.verdict import margin_used
+    from divergence.report.html import _metric_tables
+    from divergence.report.results import load_results
 
-    class Res:
-        verdict = {"rule": {"margin": 3.0}, "optimizers": {
-            "sgd": {"calibration": {"margin": 9.13, "widened": True}}, "adamw": {"calibration": {"margin": 3.0}},
-            "adafactor": {}}}
+    rule = {"margin": 3.0}
+    assert margin_used({"calibration": {"margin": 19.1, "widened": True}}, rule) == 19.1
+    assert margin_used({"calibration": {"margin": 3.0}}, rule) == 3.0 and margin_used({}, rule) == 3.0
+    out = tmp_path / "r"
+    shutil.copytree(results, out, symlinks=True)
+    v = json.loads((out / "verdict.json").read_text())
+    opt = next(iter(v["optimizers"]))
+    v["optimizers"][opt].setdefault("calibration", {}).update(margin=19.1, widened=True, note="envelope too thin")
+    v["optimizers"][opt]["verdict"] = "WRONG"
+    (out / "verdict.json").write_text(json.dumps(v))
+    res = load_results(out)
+    k, m = next((k, m) for k, m in enumerate(v["optimizers"][opt]["metrics"]) if m["final_envelope"] > 0)
+    row = _metric_tables(res)[0]["rows"][k]
+    from divergence.detect.verdict import floor_for
 
-        def opt_verdict(self, opt):
-            return self.verdict["optimizers"][opt]
-
-    assert (_margin(Res(), "sgd"), _margin(Res(), "adamw"), _margin(Res(), "adafactor")) == (9.13, 3.0, 3.0)
+    assert float(row["limit"]) == pytest.approx(19.1 * m["final_envelope"] + floor_for(m["metric"]), rel=1e-2)
+    assert "Training stayed within 19.1x" in words.optimizer_sentence(v["optimizers"][opt], v["rule"])

@@ -388,18 +388,19 @@ def test_a_reference_that_went_to_nan_or_did_not_train_is_one_clear_line(tmp_pat
     assert reference_problem(r, "sgd", _arm(tmp_path / "ok", "OK", [5.0, 4.0, 3.0]), tmp_path / "ok") is None
     # no reason is ever empty (the issue saw "did not finish: ; ;")
     arms = {"sgd/null-1": {"status": "NAN", "stop_step": 3, "stop_where": "train loss"}, "sgd/null-3": {"status": "TIMEOUT"}}
-    assert harness_failure(r, ["sgd/null-1", "sgd/null-2", "sgd/null-3"], arms) == (
-        "harness arm(s) sgd/null-1, sgd/null-2, sgd/null-3 did not finish: sgd/null-1 went to NaN at step 3 "
-        "(train loss); sgd/null-2 never wrote arm.json (it did not start); sgd/null-3 ended with TIMEOUT")
+    assert harness_failure(["sgd/null-1", "sgd/null-2", "sgd/null-3"], arms, 4, "R") == (
+        "harness arm(s) did not finish: sgd/null-1 went to NaN at step 3 (train loss); sgd/null-2 never wrote "
+        "arm.json (it did not start); sgd/null-3 ended with TIMEOUT")
     # Arms that failed alike are named together; CUDA's out-of-memory text (the GPU's every process, 2026-11-25)
-    # is cut to its first sentence and says what to change.
+    # is cut to its first sentence and says how to resume with fewer arms at once.
     oom = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of "
            "79.18 GiB of which 490.50 MiB is free. Process 491 has 872.00 MiB memory in use. Process 589 has 8.6")
     arms = {k: {"status": "CRASH", "error": oom} for k in ("sgd/reference", "sgd/null-2")}
-    msg = harness_failure(r, ["sgd/reference", "sgd/null-2"], arms)
-    assert msg == ("harness arm(s) sgd/reference, sgd/null-2 did not finish: sgd/reference, sgd/null-2 CRASH: "
-                   f"OutOfMemoryError: CUDA out of memory (the GPU ran out of memory with up to {r.ab.workers} arms "
-                   f"at once: lower ab.workers, e.g. --set ab.workers={max(1, r.ab.workers // 2)}, then --resume)")
+    assert harness_failure(["sgd/reference", "sgd/null-2"], arms, 12, "results/x") == (
+        "harness arm(s) did not finish: sgd/reference, sgd/null-2 CRASH: OutOfMemoryError: CUDA out of memory (the "
+        "GPU ran out of memory with 12 arms at once on it: resume with fewer, --resume results/x --set ab.workers=6)")
+    assert harness_failure(["sgd/reference"], arms, 1, "results/x").endswith(
+        "(the GPU ran out of memory with one arm on it: a smaller model or train.batch_size)")
     from divergence.detect.verdict import optimizer_verdict
 
     assert optimizer_verdict({"status": "TIMEOUT"}, [])["detail"].endswith("ended with TIMEOUT and gave no reason")

@@ -29,7 +29,13 @@ def _why(st: Optional[dict]) -> str:
 
 # CUDA's out-of-memory text goes on to list every process on the GPU: over 500 characters per arm, and with 18 arms
 # at once (2026-11-25, H100 80 GiB) the one-line reason ran to several thousand characters saying the same thing.
-_OOM = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+_OOM = ("out of memory", "cublas_status_alloc_failed")
+
+
+def out_of_memory(st: Optional[dict]) -> bool:
+    """Whether an arm ended for want of GPU memory (the machine's doing, not the kernel's: runner.kept_on_resume)."""
+    error = ((st or {}).get("error") or "").lower()
+    return any(m in error for m in _OOM)
 
 
 def _short(error: str) -> str:
@@ -38,18 +44,17 @@ def _short(error: str) -> str:
     return error
 
 
-def harness_failure(recipe, bad: list, arms: dict) -> str:
+def harness_failure(bad: list, arms: dict, per_gpu: int, out) -> str:
     """One line for the harness arms of an optimizer that did not finish: arms that failed alike are named together,
-    and running out of GPU memory says what to change."""
+    and running out of GPU memory (`per_gpu` arms at once on each GPU) says how to resume the run in `out`."""
     alike = {}
     for k in bad:
         alike.setdefault(_why(arms.get(k)), []).append(k)
-    line = (f"harness arm(s) {', '.join(bad)} did not finish: "
-            + "; ".join(f"{', '.join(keys)} {why}" for why, keys in alike.items()))
-    errors = [(arms.get(k) or {}).get("error") or "" for k in bad]
-    if any(m.lower() in e.lower() for e in errors for m in _OOM):
-        line += (f" (the GPU ran out of memory with up to {recipe.ab.workers} arms at once: lower ab.workers, "
-                 "e.g. --set ab.workers=" + str(max(1, recipe.ab.workers // 2)) + ", then --resume)")
+    line = "harness arm(s) did not finish: " + "; ".join(f"{', '.join(keys)} {why}" for why, keys in alike.items())
+    if any(out_of_memory(arms.get(k)) for k in bad):
+        line += (f" (the GPU ran out of memory with {per_gpu} arms at once on it: resume with fewer, --resume {out} "
+                 f"--set ab.workers={max(1, per_gpu // 2)})" if per_gpu > 1 else
+                 " (the GPU ran out of memory with one arm on it: a smaller model or train.batch_size)")
     return line
 
 

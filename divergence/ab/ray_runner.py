@@ -46,7 +46,7 @@ def run_jobs_ray(recipe, jobs, must_see: Path, address=None, gpus_per_arm: float
         cpus = [1 if gpus_per_arm else (job.recipe or recipe).train.threads for job in todo]
         _check_fits(ray, max(cpus), gpus_per_arm, address)
         # num_gpus per call, not in ray.remote: there Ray would retire the worker after each task (max_calls=1)
-        # to free GPU memory, yet the worker never touches the GPU (a CUDA arm is a spawned child) and reuse
+        # to free GPU memory, yet the worker never touches the GPU (a CUDA arm is a child process of its own) and reuse
         # saves an interpreter start and a Lightning import per arm.
         task = ray.remote(_arm_task)
         cwd, must_see = os.getcwd(), str(Path(must_see).resolve())

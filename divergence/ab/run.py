@@ -18,8 +18,8 @@ import numpy as np
 
 from ..device import pick_device
 from ..errors import UserError
-from ..overrides import sets_to_overrides
-from ..recipe import default_recipe_name, load_recipe
+from ..overrides import resume_overrides, sets_to_overrides
+from ..recipe import _merge, default_recipe_name, load_recipe
 from ..train.metrics import write_json
 from ..detect import distances as compare, verdict
 from ..detect.buckets import bucket_rows
@@ -32,13 +32,19 @@ from .runner import run_jobs
 SCHEMA_VERSION = 1
 
 
+def per_gpu(recipe) -> int:
+    """Arms at once on each GPU: `ab.workers`, default 4 (small arms share an H200 well, NOTES: +12% throughput from
+    four)."""
+    return recipe.ab.workers or 4
+
+
 def _workers(recipe, device: str) -> int:
-    """Arms at once: on CUDA `ab.workers` per visible GPU (default 4: small arms share an H200 well, NOTES: +12%
-    throughput from four); on CPU `ab.workers` in all (default: one per `train.threads` cores, at most 4)."""
+    """Arms at once: on CUDA per_gpu per visible GPU; on CPU `ab.workers` in all (default: one per `train.threads`
+    cores, at most 4)."""
     if device == "cuda":
         from .runner import visible_gpus
 
-        return (recipe.ab.workers or 4) * max(1, len(visible_gpus()))
+        return per_gpu(recipe) * max(1, len(visible_gpus()))
     if recipe.ab.workers:
         return recipe.ab.workers
     return max(1, min(4, (os.cpu_count() or 1) // recipe.train.threads))
@@ -100,12 +106,11 @@ def cmd_ab(args, publish=None) -> int:
 
 def _resumed(args) -> tuple:
     """(out, slot, candidate, recipe source, optimizers, overrides, definition) of the run in --resume's folder."""
-    if getattr(args, "set", None):
-        raise UserError("--set: a resumed run keeps the recipe it started with; start a new run instead")
+    again = resume_overrides(getattr(args, "set", None), "run")  # how its arms run, e.g. ab.workers; not plan.json's
     out = Path(args.resume)
     plan = _load_plan(out)
     return (out, plan["kernel"], plan["candidate"], plan["recipe_path"], plan["optimizers"],
-            plan.get("overrides") or {}, None)
+            _merge(plan.get("overrides") or {}, again), None)
 
 
 def _asked(args) -> tuple:
@@ -142,7 +147,7 @@ def _start_probe(args, slot, cand, out, recipe, device) -> tuple:
     probe, probing = None, None
     if recipe.ab.probe and not getattr(args, "no_probe", False):
         if device == "cuda":
-            # Beside the arms, which are spawned processes: its ~10 s (imports, kernel compiles, 14 input
+            # Beside the arms, which are processes of their own: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
             probing = pool.submit(_preflight, slot, cand, out, recipe, device)
@@ -245,7 +250,7 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
             continue
         bad = [k for k in [f"{opt}/reference"] + null_keys if arms.get(k, {}).get("status") != "OK"]
         if bad:
-            per_opt[opt] = {"verdict": "ERROR", "detail": health.harness_failure(recipe, bad, arms)}
+            per_opt[opt] = {"verdict": "ERROR", "detail": health.harness_failure(bad, arms, per_gpu(recipe), out)}
             continue
         null_d = [files.distances(ref_dir, out / k, buckets, smooth) for k in null_keys]
         cand_d = files.distances(ref_dir, out / opt / "candidate", buckets, smooth) \

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ..errors import RecipeError
 from ..train.metrics import write_json
+from .health import out_of_memory
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
 # Before an arm writes its arm.json it is importing and loading (a spawned CUDA arm needs ~10-20 s for that);
@@ -71,14 +72,15 @@ def arm_status(out_dir: Path):
 
 # What a resume trains again although it ended: a reference or null arm (no candidate code) that crashed or timed
 # out failed for the machine's reasons, not as a finding (2026-11-25, H100 80 GiB: 18 arms at once, 8.6 GiB each,
-# ended in CUDA out-of-memory and cuBLAS allocation errors). A candidate's arm keeps whatever it ended with: its
-# crash is what the verdict is about. A NaN is kept everywhere: the same recipe would reach it again.
+# ended in CUDA out-of-memory and cuBLAS allocation errors), and so did any arm, the candidate's too, that ran out
+# of GPU memory. Otherwise a candidate's arm keeps whatever it ended with: its crash is what the verdict is about.
+# A NaN is kept everywhere: the same recipe would reach it again.
 RETRIED = ("CRASH", "TIMEOUT")
 
 
 def kept_on_resume(job, st) -> bool:
     """Whether a resume keeps the arm whose arm.json (as read by arm_status) is `st` instead of training it."""
-    if not st or st.get("status") not in DONE:
+    if not st or st.get("status") not in DONE or out_of_memory(st):
         return False
     return job.spec.name == "candidate" or st["status"] not in RETRIED
 

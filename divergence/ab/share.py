@@ -170,7 +170,8 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
     but each shareable arm trains at most once: jobs with the same arm key share one arm (the first trains it, the
     others get links to it), and an arm found in the cache trains not at all (unless `fresh`: then it trains and
     replaces the entry). `backend(jobs, on_done)` runs the arms that do train (local processes or Ray), each once.
-    Resume: a job whose folder holds a finished arm is kept as it is, shared or not."""
+    Resume: a job whose folder holds a finished arm is kept as it is, shared or not (runner.kept_on_resume: not
+    a crashed reference or null, nor an arm out of GPU memory)."""
     todo, results = [], {}  # jobs the backend runs; {key: info}
     # Each job's arm.json, read once: only the backend writes there, and only into the jobs it trains (`todo`).
     status = {job.key: arm_status(job.out_dir) for job in jobs}

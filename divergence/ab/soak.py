@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from ..errors import RecipeError, UserError
-from ..overrides import sets_to_overrides
+from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, read_yaml_mapping
 from ..files import write_atomic
 from ..train.metrics import write_json
@@ -155,12 +155,12 @@ def soak_exit_code(codes: list) -> int:
 
 def _resumed(args) -> tuple:
     """(soak, results folder, backend, ray address) of the soak in --resume's folder."""
-    if getattr(args, "set", None):
-        raise UserError("--set: a resumed soak keeps the recipe it started with; start a new soak instead")
+    again = resume_overrides(getattr(args, "set", None), "soak")  # how its arms run, e.g. ab.workers
     out = Path(args.resume)
     if not (out / "soak-plan.json").exists():
         raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
     soak = json.loads((out / "soak-plan.json").read_text())
+    soak["overrides"] = _merge(soak["overrides"], again)  # for this attempt; soak-plan.json keeps what was asked
     backend, address = _backend(soak, args)
     return soak, out, backend, address
 

@@ -173,6 +173,13 @@ def judge_optimizer(cand_d: dict, null_d: list, rule) -> tuple:
     return cal, (judge_arm(cand_d, null_d, cal["margin"], rule.window, rule.lead) if cand_d else [])
 
 
+def margin_used(opt_verdict: dict, rule: dict) -> float:
+    """The margin one optimizer was judged at (verdict.json): the rule's, or wider where the leave-one-out check
+    widened it. Everything that draws or words a flag line reads it here (at the rule's 3x the report showed a
+    candidate over the line and not flagged, and said training "stayed within 3x": h200-story, SGD lr 0.5)."""
+    return (opt_verdict.get("calibration") or {}).get("margin") or rule.get("margin", 3.0)
+
+
 def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     """PASS / DIVERGED / NAN / CRASH / TIMEOUT for one optimizer, with the earliest flagged metric.
 
@@ -202,10 +209,10 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     first = flagged[0]
     harms = [m["metric"] for m in flagged if m["metric"].split("/")[0] in TRAINING_METRICS]
     moved = [m["metric"] for m in flagged if m["metric"] not in harms]
-    # Each kind of evidence carries its own first step: "loss from step 0" when only the embedding's gradient norm
-    # left at step 0 and the loss at step 2 (h200-story, SGD lr 0.1, 2026-11-25) would misdate the harm.
+    # The harm carries its own first step: "loss from step 0" when the embedding's gradient norm left at step 0 and
+    # the loss at step 2 (h200-story, SGD lr 0.1, 2026-11-25) misdated it. (Where nothing harmed training, every
+    # flagged metric is a moved one and `first_step` dates them.)
     harmed_step = min((m["first_step"] for m in flagged if m["metric"] in harms), default=None)
-    moved_step = min((m["first_step"] for m in flagged if m["metric"] in moved), default=None)
     detail = (f"{first['metric']} left the null envelope at step {first['first_step']} "
               f"({first['direction']}, {first['effect_size']:.1f}x max(null envelope, floor))")
     if harms and first["metric"] not in harms:
@@ -215,7 +222,7 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
         "metric": first["metric"], "first_step": first["first_step"], "direction": first["direction"],
         "effect_size": first["effect_size"],
         "flagged": [m["metric"] for m in flagged],
-        "harmed": harms, "moved": moved, "harmed_step": harmed_step, "moved_step": moved_step,
+        "harmed": harms, "moved": moved, "harmed_step": harmed_step,
         "too_few_points": too_few,
         "training_harmed": bool(harms),
         "detail": detail,
@@ -250,7 +257,7 @@ def ab_signal(per_opt: dict) -> dict:
             for o, v in harmed.items()))
     if moved:
         return _sig("FINDING", "weights or gradients moved, loss inside the envelope: " + "; ".join(
-            f"{o}: {', '.join(v['moved'])} from step {v.get('moved_step', v['first_step'])}" for o, v in moved.items()))
+            f"{o}: {', '.join(v['moved'])} from step {v['first_step']}" for o, v in moved.items()))
     if errors:
         return _sig("INCONCLUSIVE", "; ".join(f"{o}: {v.get('detail', '')}" for o, v in errors.items()))
     few = {o: v["too_few_points"] for o, v in per_opt.items() if "loss" in (v.get("too_few_points") or [])}

@@ -79,11 +79,11 @@ def _figures(made: list) -> list:
 
 
 def _metric_tables(res) -> list:
-    from ..detect.verdict import floor_for
+    from ..detect.verdict import floor_for, margin_used
 
-    margin = res.verdict.get("rule", {}).get("margin", 3.0)
     tables = []
     for opt, v in res.verdict.get("optimizers", {}).items():
+        margin = margin_used(v, res.verdict.get("rule", {}))
         rows = []
         for m in v.get("metrics") or []:
             flag = ({"first_step": m["first_step"], "direction": m.get("direction"),

@@ -171,10 +171,7 @@ def loss_curves(res, path):
 
 
 def _margin(res, opt: str) -> float:
-    """The margin `opt` was judged at: the rule's, or wider where the leave-one-out check widened it (a flag line
-    drawn at the rule's margin showed a candidate over the line and not flagged: h200-story, SGD lr 0.5)."""
-    cal = res.opt_verdict(opt).get("calibration") or {}
-    return cal.get("margin") or res.verdict.get("rule", {}).get("margin", 3.0)
+    return vrule.margin_used(res.opt_verdict(opt), res.verdict.get("rule", {}))
 
 
 def _pick(res, opt: str, family: str):
@@ -230,7 +227,7 @@ def distance_curves(res, path):
                 ax.plot(steps, _clip(x, lo), color=NULL, lw=0.8, label="null arms" if k == 0 else None)
             ax.plot(steps, _clip(limit, lo), color=LIMIT, ls="--", lw=1.2,
                     label=f"flag line: {margin:.3g}x envelope + floor"
-                    + (" (margin widened: leave-one-out)" if (res.opt_verdict(opt).get("calibration") or {}).get("widened") else ""))
+                    + (" (margin widened: leave-one-out)" if margin != res.verdict.get("rule", {}).get("margin") else ""))
             ax.plot(steps, _clip(cand, lo), color=CAND, lw=1.4, marker="o" if n <= 60 else None, ms=3,
                     label="candidate")
             mr = res.metric_result(opt, m)

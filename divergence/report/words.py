@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from ..detect.verdict import margin_used
+
 BUCKET_WORDS = {
     "top-10": "the 10 most frequent tokens",
     "top-100": "tokens ranked 11-100 by frequency",
@@ -55,7 +57,7 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
     """One optimizer's verdict as a sentence or two."""
     verdict = v.get("verdict")
     cal = v.get("calibration") or {}
-    margin = cal.get("margin", rule.get("margin", 3))
+    margin = margin_used(v, rule)
     widened = f" {cal['note'][:1].upper()}{cal['note'][1:]}." if cal.get("widened") else ""
     if verdict == "PASS":
         return (f"Every compared metric stayed within {margin:.3g}x the distance the null arms reached "
@@ -80,8 +82,8 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
                   f"{', '.join(metric_words(m) for m in v['too_few_points'])}.")
         return s + widened
     if verdict == "WRONG":
-        return (f"Training stayed within {rule.get('margin', 3):g}x the distance the null arms reached, but the op "
-                f"itself is wrong on this run's live inputs: {v.get('detail') or 'see the op check'}.")
+        return (f"Training stayed within {margin:.3g}x the distance the null arms reached, but the op "
+                f"itself is wrong on this run's live inputs: {v.get('detail') or 'see the op check'}.{widened}")
     if verdict == "INCONCLUSIVE":
         return f"Not judged to the end: {v.get('detail') or 'see the signals'}."
     if verdict == "NAN":

@@ -7,7 +7,7 @@ optimizers (a hidden matrix's update changes its output by ~ lr * width per coor
 change per step the same), used here for SGD and Adafactor as well. Measured (NOTES, H200): at d_model 4096,
 2 layers, SGD at the shipped lr 0.5 sent every arm, the reference too, to NaN, while lr 0.05 trained; the rule
 gives 0.5 x 384 / 4096 = 0.047 from the h200 recipe's base width. The embedding's rows feed an RMSNorm (scale
-invariant, unit-variance rows), so its gradient does not grow with width and its rate stays.
+invariant), so its gradient does not grow with width and its rate stays.
 
 Measured 2026-11-23 on the 2-core CPU dev machine (torch 2.13 CPU), SGD lr 0.5, wikitext-2, vocabulary 1024:
 - width 4096 from base 384 (h200-shapes' base; 2 layers, d_ff 4096, 4 x 64 tokens/step): scaled (hidden
