@@ -63,7 +63,10 @@ def _add_ab(sub):
     p.add_argument("--recipe", help="recipe name or path (default: small on CPU, h200 on a GPU)")
     p.add_argument("--optimizers", help="comma-separated subset, e.g. sgd,adamw")
     p.add_argument("--out", help="results folder (default results/<slot>-<candidate>-<time>)")
-    p.add_argument("--resume", metavar="RESULTS_DIR", help="continue an interrupted run: finished arms are kept, a reference or null arm that crashed or timed out and any arm out of GPU memory train again; --set may change ab.workers, ab.arm_start and the timeouts")
+    p.add_argument("--resume", metavar="RESULTS_DIR",
+                   help="continue an interrupted run: finished arms are kept, a reference or null arm that crashed or "
+                        "timed out and any arm out of GPU memory train again; --set may change ab.workers, "
+                        "ab.arm_start and the timeouts")
     p.add_argument("--no-probe", action="store_true", help="skip the preflight probe")
     p.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     p.add_argument("--seed", type=int, help="override the recipe's seed")

@@ -387,7 +387,8 @@ def test_a_reference_that_went_to_nan_or_did_not_train_is_one_clear_line(tmp_pat
     assert "above its start from step 10 on" in msg
     assert reference_problem(r, "sgd", _arm(tmp_path / "ok", "OK", [5.0, 4.0, 3.0]), tmp_path / "ok") is None
     # no reason is ever empty (the issue saw "did not finish: ; ;")
-    arms = {"sgd/null-1": {"status": "NAN", "stop_step": 3, "stop_where": "train loss"}, "sgd/null-3": {"status": "TIMEOUT"}}
+    arms = {"sgd/null-1": {"status": "NAN", "stop_step": 3, "stop_where": "train loss"},
+            "sgd/null-3": {"status": "TIMEOUT"}}
     assert harness_failure(["sgd/null-1", "sgd/null-2", "sgd/null-3"], arms, 4, "R") == (
         "harness arm(s) did not finish: sgd/null-1 went to NaN at step 3 (train loss); sgd/null-2 never wrote "
         "arm.json (it did not start); sgd/null-3 ended with TIMEOUT")

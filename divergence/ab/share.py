@@ -201,7 +201,7 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
 
 
 def _keep_or_train(job, status: dict, results: dict, todo: list, counts: dict):
-    if kept_on_resume(job, status[job.key]):  # --resume: finished in an earlier attempt (trained or linked), kept as it is
+    if kept_on_resume(job, status[job.key]):  # --resume: finished in an earlier attempt (trained or linked)
         results[job.key] = status[job.key]
         counts["kept"] += 1
     else:
