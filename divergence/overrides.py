@@ -99,11 +99,9 @@ RESUMABLE = ("ab.arm_start", "ab.arm_timeout_s", "ab.step_timeout_s", "ab.worker
 
 def resume_overrides(items, what: str) -> dict:
     """--set on a --resume: only RESUMABLE keys; any other is refused in one line naming it."""
-    over = sets_to_overrides(items)
-    keys = [f"{k}.{j}" for k, v in over.items() for j in (v if isinstance(v, dict) else {"": None})]
-    bad = [k.rstrip(".") for k in keys if k not in RESUMABLE]
+    over = sets_to_overrides(items)  # checked first: a malformed item gets the same line as on a new run
+    bad = [k for k in (item.partition("=")[0].strip() for item in items or ()) if k not in RESUMABLE]
     if bad:
         raise UserError(f"--set {bad[0]}: a resumed {what} keeps the recipe it started with; only how its arms run "
                         f"may change ({', '.join(RESUMABLE)}); start a new {what} for anything else")
     return over
-

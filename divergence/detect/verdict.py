@@ -207,12 +207,13 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
             v["detail"] = f"inside the null envelope; {', '.join(too_few)} had fewer compared points than the window"
         return v
     first = flagged[0]
-    harms = [m["metric"] for m in flagged if m["metric"].split("/")[0] in TRAINING_METRICS]
+    harmful = [m for m in flagged if m["metric"].split("/")[0] in TRAINING_METRICS]
+    harms = [m["metric"] for m in harmful]
     moved = [m["metric"] for m in flagged if m["metric"] not in harms]
-    # The harm carries its own first step: "loss from step 0" when the embedding's gradient norm left at step 0 and
-    # the loss at step 2 (h200-story, SGD lr 0.1, 2026-11-25) misdated it. (Where nothing harmed training, every
-    # flagged metric is a moved one and `first_step` dates them.)
-    harmed_step = min((m["first_step"] for m in flagged if m["metric"] in harms), default=None)
+    # The harm carries its own first step (`flagged` is in step order): "loss from step 0" when the embedding's
+    # gradient norm left at step 0 and the loss at step 2 (h200-story, SGD lr 0.1, 2026-11-25) misdated it. (Where
+    # nothing harmed training, every flagged metric is a moved one and `first_step` dates them.)
+    harmed_step = harmful[0]["first_step"] if harmful else None
     detail = (f"{first['metric']} left the null envelope at step {first['first_step']} "
               f"({first['direction']}, {first['effect_size']:.1f}x max(null envelope, floor))")
     if harms and first["metric"] not in harms:
