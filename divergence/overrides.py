@@ -94,7 +94,7 @@ def sets_to_overrides(items) -> dict:
 
 # The recipe keys that decide how arms run, not what they train: a resumed run may change them (`--resume DIR --set
 # ab.workers=4`), e.g. fewer arms at once after the GPU ran out of memory (2026-11-25, H100: 18 arms of 8.6 GiB).
-RESUMABLE = ("ab.arm_start", "ab.arm_timeout_s", "ab.step_timeout_s", "ab.workers")
+RESUMABLE = ("ab.arm_start", "ab.arm_timeout_s", "ab.compile_first", "ab.step_timeout_s", "ab.workers")
 
 
 def resume_overrides(items, what: str) -> dict:

@@ -112,7 +112,8 @@ def test_new_arms_go_to_the_least_busy_gpu():
 
 def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monkeypatch, tiny):
     """An arm counts as done when its arm.json says so: the next arm starts without waiting for the process's
-    exit (10-15 s for a CUDA arm), and a process that lingers is killed after the grace period."""
+    exit (10-15 s for a CUDA arm), a process that lingers is killed after the grace period, and once no arm is
+    left to run the last ones' lingering processes are killed at once: the verdict does not wait for their exit."""
     import time
 
     from divergence.ab import runner
@@ -123,17 +124,58 @@ def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monke
         import os
 
         os.setsid()
+        (Path(out_dir) / "pid").write_text(str(os.getpid()))
         write_json(Path(out_dir) / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": 0.0})
         time.sleep(60)  # as if the interpreter's teardown took a minute
 
     monkeypatch.setattr(runner, "_child", slow_exit_child)
-    monkeypatch.setattr(runner, "EXIT_GRACE_S", 2.0)
+    monkeypatch.setattr(runner, "EXIT_GRACE_S", 40.0)
     jobs = [runner.Job(f"sgd/arm-{i}", tmp_path / f"arm-{i}", ArmSpec(f"arm-{i}", "sgd")) for i in range(3)]
     t0 = time.time()
     res = runner.run_jobs(tiny, jobs, None, "cpu", workers=1)
-    assert time.time() - t0 < 20  # three arms one at a time, none waited for its 60 s exit
+    assert time.time() - t0 < 20  # three arms one at a time, none waited for its 60 s exit nor for the 40 s grace
     assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
     assert all(res[j.key]["timings"]["process_s"] < 10 for j in jobs)
+    assert not [j.key for j in jobs if Path(f"/proc/{(j.out_dir / 'pid').read_text()}").exists()]  # none left
+
+
+def _first_step_after_a_while(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
+    """A stand-in arm: notes when it started, then writes a metrics row (its first step) after 1.5 s, then ends."""
+    import os
+    import time
+
+    from divergence.train.metrics import write_json
+
+    os.setsid()
+    (Path(out_dir) / "started").write_text(repr(time.time()))
+    time.sleep(1.5)
+    (Path(out_dir) / "metrics.jsonl").write_text('{"step": 0}\n')
+    time.sleep(0.5)
+    write_json(Path(out_dir) / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": 2.0})
+    os._exit(0)
+
+
+@pytest.mark.parametrize("compile_first", [True, False])
+def test_under_compile_one_arm_goes_first_until_its_first_step(tmp_path, monkeypatch, compile_first):
+    """train.compile: the first arm runs alone until it has written a step (its graphs then sit in inductor's
+    cache, which the others read instead of compiling the same graphs at once); `ab.compile_first: false` and
+    recipes that do not compile start `workers` arms at once."""
+    from divergence.ab import runner
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec
+
+    monkeypatch.setattr(runner, "_child", _first_step_after_a_while)
+    recipe = load_recipe("tiny", {"train": {"compile": "eager"}, "ab": {"compile_first": compile_first}})
+    jobs = [runner.Job(f"sgd/arm-{i}", tmp_path / f"arm-{i}", ArmSpec(f"arm-{i}", "sgd")) for i in range(3)]
+    res = runner.run_jobs(recipe, jobs, None, "cpu", workers=3)
+    assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
+    start = [float((j.out_dir / "started").read_text()) for j in jobs]
+    later = min(start[1:]) - start[0]
+    if compile_first:
+        assert later >= 1.4, start  # after the first arm's first step, 1.5 s after its start
+    else:
+        assert later < 1.0, start
+    assert not runner.CompileFirst(load_recipe("tiny"), jobs).pending  # nothing compiles: all at once
 
 
 def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
@@ -200,6 +242,40 @@ def test_fork_served_arms_see_the_environment_and_folder_of_now_not_of_the_serve
         assert json.loads(out.read_text()) == {"mark": mark, "cwd": str(tmp_path / mark)}
 
 
+def test_the_fork_server_preloads_inductor_only_for_compiling_recipes():
+    """Importing inductor was most of a GPU arm's set-up (3.5-5.6 s): a server for compiled arms does it once."""
+    from multiprocessing import forkserver
+
+    from divergence.ab.runner import COMPILE_PRELOAD, SERVER_PRELOAD, _context
+
+    try:
+        _context("forkserver", compiled=True)
+        assert forkserver._forkserver._preload_modules == SERVER_PRELOAD + COMPILE_PRELOAD
+    finally:
+        _context("forkserver")
+    assert forkserver._forkserver._preload_modules == SERVER_PRELOAD
+
+
+def test_a_gpu_run_starts_its_fork_server_before_its_first_arm(monkeypatch):
+    """On a GPU the server's imports (16-23 s on an H100) overlap the probe and the corpus: `ab` and `soak` start it
+    as soon as they know the device; the CPU, and GPU runs that spawn their arms, start none early."""
+    from multiprocessing import forkserver
+
+    from divergence.ab import runner
+    from divergence.recipe import load_recipe
+
+    started = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(forkserver._forkserver._preload_modules))
+    try:
+        runner.start_server_early(load_recipe("tiny", {"train": {"threads": 2}}), "cpu")
+        runner.start_server_early(load_recipe("h200", {"ab": {"arm_start": "spawn"}}), "cuda")
+        assert started == []
+        runner.start_server_early(load_recipe("h200"), "cuda")
+        assert started == [runner.SERVER_PRELOAD + runner.COMPILE_PRELOAD]
+    finally:
+        runner._context("forkserver")
+
+
 def test_a_served_arm_that_finds_cuda_started_says_so_in_its_last_words(tmp_path, monkeypatch, tiny_corpus):
     """CUDA does not survive a fork: a served arm whose server had started CUDA must stop, and the arm's
     CRASH must name the cause and the key to change (its last words come from its log)."""
@@ -210,7 +286,7 @@ def test_a_served_arm_that_finds_cuda_started_says_so_in_its_last_words(tmp_path
     monkeypatch.setattr(runner, "_cuda_started_before_fork", lambda: True)
     recipe = load_recipe("tiny", {"train": {"steps": 4}, "ab": {"arm_start": "forkserver"}})
     # forked, not served: the stand-in must reach the child, and the server's children would not see it
-    monkeypatch.setattr(runner, "_context", lambda method: __import__("multiprocessing").get_context("fork"))
+    monkeypatch.setattr(runner, "_context", lambda method, **kw: __import__("multiprocessing").get_context("fork"))
     job = runner.Job("sgd/reference", tmp_path / "arm", ArmSpec(name="reference", optimizer="sgd"))
     done = runner.run_jobs(recipe, [job], tiny_corpus, "cpu", 1)["sgd/reference"]
     assert done["status"] == "CRASH" and "ab.arm_start: spawn" in (done.get("error") or ""), done
@@ -229,7 +305,7 @@ def test_a_fork_server_that_cannot_start_an_arm_is_one_line_naming_the_key(tmp_p
                     raise EOFError()
             return P()
 
-    monkeypatch.setattr(runner, "_context", lambda method: Dead())
+    monkeypatch.setattr(runner, "_context", lambda method, **kw: Dead())
     recipe = load_recipe("tiny", {"ab": {"arm_start": "forkserver"}})
     job = runner.Job("sgd/reference", tmp_path / "arm", ArmSpec(name="reference", optimizer="sgd"))
     with pytest.raises(RecipeError) as e:

@@ -27,7 +27,7 @@ from ..detect.probe.run import default_candidate
 from ..detect.probe.shapes import declared_for
 from . import health
 from .plan import plan_arms
-from .runner import run_jobs
+from .runner import run_jobs, start_server_early
 
 SCHEMA_VERSION = 1
 
@@ -81,6 +81,7 @@ def cmd_ab(args, publish=None) -> int:
     out, slot, cand, recipe_src, opts, overrides, defn = _resumed(args) if args.resume else _asked(args)
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
+    start_server_early(recipe, device)
     cand = cand or default_candidate(slot, device)
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)

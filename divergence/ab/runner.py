@@ -158,7 +158,22 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     # Everything is on disk (arm.json last, atomically). Skip the interpreter's teardown: a CUDA arm's exit took
     # 10-15 s after its last write on the H200 (2026-11-21), and the next arm waited for it.
     sys.stdout.flush()
+    _release_shared_objects()
     os._exit(0)
+
+
+def _release_shared_objects() -> None:
+    """What multiprocessing's own exit would do in this arm: run the finalizers of the objects it made here (a
+    finalizer made in the fork server before the fork is skipped: each runs only in the process that made it).
+    Skipped, each semaphore an arm made stayed registered with the tracker the server's children share, which
+    named them when the A/B ended: "resource_tracker: There appear to be 18 leaked semaphore objects to clean up
+    at shutdown", one per arm of a GPU A/B (2026-11-25, H100). The function is private (CPython 3.8-3.13)."""
+    import multiprocessing.util as mp_util
+
+    try:
+        mp_util._run_finalizers(0)  # priority 0 and above: the semaphores' unlinking, pools' shutdowns
+    except Exception:  # noqa: BLE001 - the arm's results are on disk; a failed cleanup must not turn it into a crash
+        pass
 
 
 def _progress_mark(out_dir: Path):
@@ -186,21 +201,61 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
     return results
 
 
+class CompileFirst:
+    """Under `train.compile` the first arm to start runs alone until it has finished a step; then the rest start.
+
+    Every arm of a run compiles the same graphs (the model after the embedding; candidates stay outside them), and
+    inductor keeps what it compiled in its on-disk cache, which a later arm reads instead of compiling. Started all
+    at once, the first arms each compile everything themselves, competing for the CPU: 2026-11-25, one H100, the
+    default A/B (18 arms, 4 at a time) on a cold cache spent 24-30 s per arm of the first four before its steady
+    steps, against 3-6 s for every later arm, which found the cache filled. Holding the others back costs, on a warm
+    cache, the first arm's few seconds of set-up and first step. `ab.compile_first: false` starts them all at once."""
+
+    def __init__(self, recipe, jobs):
+        self.pending = bool(recipe.train.compile and recipe.ab.compile_first) and len(jobs) > 1
+        self.first = None  # the job that goes alone
+
+    def room(self, running: dict, workers: int) -> int:
+        """How many arms may run now."""
+        if not self.pending:
+            return workers
+        if self.first is None:
+            return 1
+        entry = running.get(self.first.key)
+        if entry is None or _progress_mark(self.first.out_dir)[1] > 0:  # ended, or wrote its first metrics row
+            self.pending = False
+            return workers
+        return 1
+
+    def started(self, job) -> None:
+        if self.first is None:
+            self.first = job
+
+
 def _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop):
     def retire(job, st):
         results[job.key] = st
         if on_done:
             on_done(job.key, st)
 
-    while queue or running or draining:
+    gate = CompileFirst(recipe, queue)
+    while queue or running:
         if stop.requested:
             raise KeyboardInterrupt
         _reap(draining)
-        while queue and len(running) < workers:
-            _start(queue.pop(0), recipe, running, gpus, corpus, device)
+        while queue and len(running) < gate.room(running, workers):
+            job = queue.pop(0)
+            _start(job, recipe, running, gpus, corpus, device)
+            gate.started(job)
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire)
+    # Every arm is on disk and none is left to start: the last arms' processes are not waited for. A CUDA arm's
+    # exit after its last write can take the whole EXIT_GRACE_S (2026-11-25, one H100: 30-39 s between the last
+    # arm's result and the verdict of a 6-arm A/B whose judging and report took 10 s), which the verdict never needs.
+    for proc, _ in draining:
+        kill_group(proc)
+    draining.clear()
 
 
 def _reap(draining: list):
@@ -219,7 +274,7 @@ def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
     gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
     arm_recipe = job.recipe or recipe
     method = start_method(device, arm_recipe.train.threads, arm_recipe.ab.arm_start)
-    ctx = _context(method)
+    ctx = _context(method, compiled=bool(arm_recipe.train.compile))
     world = {"env": dict(os.environ)} if method == "forkserver" else None
     fresh = method != "fork"  # a spawned or fork-served arm loads the corpus from its cache itself
     proc = ctx.Process(target=_child, args=(arm_recipe, job.spec, str(job.out_dir), None if fresh else corpus, gpu,
@@ -242,6 +297,10 @@ def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
 # train.threads=2: a spawned arm spent 3.0-3.8 s on start and imports (arm.json boot_s), a served one 0.03-0.04 s;
 # the A/B of 4 arms took 22.0-23.7 s spawned, 12.3-13.4 s served.
 SERVER_PRELOAD = ["divergence.train.module", "divergence.train.arm", "divergence.detect.lockstep"]
+# And where the recipe compiles (train.compile), inductor: importing it was most of a GPU arm's set-up (arm.json
+# setup_s 3.5-5.6 s, 2026-11-25, one H100, 18 served arms; `import torch._inductor.compile_fx` alone 2.0 s on the
+# 2-core CPU). It starts no thread, process or CUDA. Only for compiling recipes: a CPU A/B would pay it for nothing.
+COMPILE_PRELOAD = ["torch._inductor.compile_fx"]
 
 
 def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
@@ -262,10 +321,25 @@ def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
     return "fork"
 
 
-def _context(method: str):
+def start_server_early(recipe, device: str) -> None:
+    """On a GPU, where the arms will be fork-served: start the server now, without waiting for it. Its imports
+    (Lightning, inductor) then overlap the candidate's loading, the probe and the corpus instead of delaying the
+    first arm: the first served arm's boot_s, which includes the server's start, was 16-23 s (2026-11-25, one H100).
+    Not on the CPU, where the server's imports would compete with the probe for a machine's few cores."""
+    if device != "cuda" or start_method(device, recipe.train.threads, recipe.ab.arm_start) != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    _context("forkserver", compiled=bool(recipe.train.compile))
+    forkserver.ensure_running()  # spawns it and returns: the preloads run in the server while this process goes on
+
+
+def _context(method: str, compiled: bool = False):
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(SERVER_PRELOAD)  # effective until the server starts: at the first arm
+        # Effective until the server starts, at the first arm: one server per process, so an arm of a compiling
+        # recipe served by a server started for one that did not imports inductor itself (slower, not wrong).
+        ctx.set_forkserver_preload(SERVER_PRELOAD + (COMPILE_PRELOAD if compiled else []))
     return ctx
 
 

@@ -110,6 +110,7 @@ def cmd_soak(args, publish=None) -> int:
     """`divergence soak`. `publish` (report.publish, passed by cli) logs each judged cell and the table to wandb;
     None logs nothing."""
     from .run import _workers, check_optimizers
+    from .runner import start_server_early
     from ..data import load_corpus
     from ..recipe import load_recipe
     from ..train.arm import model_vocab, resolve_device
@@ -120,6 +121,7 @@ def cmd_soak(args, publish=None) -> int:
     check_optimizers(opts, base, f"{soak['path']}: optimizers")
     cells, jobs = _plan_cells(soak, out, opts)
     device = resolve_device(base)
+    start_server_early(base, device)
     corpus = load_corpus(base.data)
     vocab = model_vocab(base, corpus)
     workers = _workers(base, device)
