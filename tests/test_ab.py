@@ -63,6 +63,7 @@ def test_verdict_schema(bf16_run):
     names = {x["metric"] for x in m}
     assert {"loss", "val_loss", "kl", "grad_norm/embedding", "drift/top-10", "drift/tail"} <= names
     assert set(v["arms"]) == {"sgd/reference", "sgd/candidate", "sgd/null-1", "sgd/null-2"}
+    assert set(v["timings"]) == {"prepare_s", "arms_s", "judge_s"} and v["timings"]["arms_s"] > 0
     drift = json.loads((out / "drift.json").read_text())["sgd"]
     assert set(drift["buckets"]) == {"top-10", "top-100", "top-1000", "tail"}
 
@@ -91,6 +92,13 @@ def test_known_good_kernels_pass(tmp_path, name, shared_arms):
     assert code == 0, v["optimizers"]["sgd"].get("detail")
     assert v["verdict"] == "PASS" and v["case"] == "equivalent"
     assert not v["optimizers"]["sgd"]["lockstep"]["wrong"]
+
+
+def test_the_last_line_says_where_the_time_went():
+    from divergence.ab.run import timing_line
+
+    line = timing_line({"prepare_s": 12.4, "arms_s": 274.5, "judge_s": 9.0}, 34.2, 330.2)
+    assert line == "time: 330 s in all: 12 s before the arms, 274 s training arms, 9 s judging, 34 s report and wandb"
 
 
 def test_exit_code_2_for_bad_input(tmp_path, capsys):

@@ -78,6 +78,7 @@ def cmd_ab(args, publish=None) -> int:
     from ..detect.probe.isolate import load_meta
     from ..train.arm import resolve_device
 
+    t_start = time.time()
     out, slot, cand, recipe_src, opts, overrides, defn = _resumed(args) if args.resume else _asked(args)
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
@@ -102,7 +103,8 @@ def cmd_ab(args, publish=None) -> int:
     probe, probing = _start_probe(args, slot, cand, out, recipe, device)
     corpus, vocab, arms, t0 = _train_arms(args, recipe, slot, cand, opts, out, device)
     probe, probe_error = _probe_outcome(probe, probing)
-    return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, t0)
+    return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error,
+                     (t_start, t0))
 
 
 def _resumed(args) -> tuple:
@@ -193,21 +195,32 @@ def _probe_outcome(probe, probing) -> tuple:
     return probe, probe_error
 
 
-def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, t0) -> int:
-    """Judge, write verdict.json, print the table, publish; the exit code."""
+def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, starts) -> int:
+    """Judge, write verdict.json, print the table, publish; the exit code. `starts`: when `ab` began, when its
+    arms began."""
+    t_start, t0 = starts
     t_judge = time.time()
     files = compare.ArmFiles()  # this run's reads and distances, for the verdict, then the report and wandb
     result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, files)
-    result["timings"] = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}
+    result["timings"] = {"prepare_s": round(t0 - t_start, 2), "arms_s": round(t_judge - t0, 2),
+                         "judge_s": round(time.time() - t_judge, 2)}
     if probe_error:
         result["probe_error"] = probe_error
     write_json(out / "verdict.json", result)
     _print_table(result)
+    t_publish = time.time()
     if publish is not None:
         publish(out, args, result, files)
+    print(timing_line(result["timings"], time.time() - t_publish, time.time() - t_start), flush=True)
     if probe_error:
         print(f"error: {probe_error}", file=sys.stderr)
     return result["exit_code"]
+
+
+def timing_line(timings: dict, publish_s: float, total_s: float) -> str:
+    """Where the run's time went, in one line: what to shorten first (README, Measured figures)."""
+    return (f"time: {total_s:.0f} s in all: {timings['prepare_s']:.0f} s before the arms, {timings['arms_s']:.0f} s "
+            f"training arms, {timings['judge_s']:.0f} s judging, {publish_s:.0f} s report and wandb")
 
 
 def _preflight(slot, cand, out, recipe, device):

@@ -208,8 +208,11 @@ class CompileFirst:
     inductor keeps what it compiled in its on-disk cache, which a later arm reads instead of compiling. Started all
     at once, the first arms each compile everything themselves, competing for the CPU: 2026-11-25, one H100, the
     default A/B (18 arms, 4 at a time) on a cold cache spent 24-30 s per arm of the first four before its steady
-    steps, against 3-6 s for every later arm, which found the cache filled. Holding the others back costs, on a warm
-    cache, the first arm's few seconds of set-up and first step. `ab.compile_first: false` starts them all at once."""
+    steps, against 3-6 s for every later arm, which found the cache filled. Started after the first, the others' cost
+    fell to 5.1 s (median), but the A/B's wall time only from 125.8 to 121.2 s (6 arms x 300 steps, same H100): the
+    other workers wait while the first compiles. It saves CPU (one compile instead of four, beside the probe) more
+    than time. On a warm cache it costs the first arm's few seconds of set-up and first steps.
+    `ab.compile_first: false` starts them all at once."""
 
     def __init__(self, recipe, jobs):
         self.pending = bool(recipe.train.compile and recipe.ab.compile_first) and len(jobs) > 1
@@ -250,9 +253,10 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire)
-    # Every arm is on disk and none is left to start: the last arms' processes are not waited for. A CUDA arm's
-    # exit after its last write can take the whole EXIT_GRACE_S (2026-11-25, one H100: 30-39 s between the last
-    # arm's result and the verdict of a 6-arm A/B whose judging and report took 10 s), which the verdict never needs.
+    # Every arm is on disk and none is left to start: the last arms' processes are not waited for. Waiting could
+    # add up to EXIT_GRACE_S to every run for exits the verdict never needs (a CUDA arm's took 10-15 s on the H200,
+    # 2026-11-21); without it the judging of the default A/B began 0.5 s after its last arm's result (2026-11-25,
+    # one H100: arms_s 274.5 s, the last result at 274 s).
     for proc, _ in draining:
         kill_group(proc)
     draining.clear()
