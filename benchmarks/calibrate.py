@@ -111,10 +111,7 @@ def main(argv=None) -> int:
     wall = time.time() - t0
 
     cells = _cells(out)
-    bad_names = {c["candidate"] for c in bad}
-    goods = [c for c in cells if c[1] not in bad_names]
-    bads = [c for c in cells if c[1] in bad_names]
-    summary, fp, missed = _report(cells, goods, bads)
+    summary, fp, missed = _report(cells, *_split(cells, {c["candidate"] for c in bad}))
     print(f"\nwall {wall:.0f} s for {len(cells)} A/Bs ({out})")
     from divergence.train.metrics import dumps
 
@@ -125,6 +122,11 @@ def main(argv=None) -> int:
 
     print(f"distances of {dump_soak(out / 'soak', out / 'distances.json.gz')} arms: {out / 'distances.json.gz'}")
     return 0 if not fp and not missed and not summary["errors"] else 1
+
+
+def _split(cells: list, bad_names: set) -> tuple:
+    """(known-good cells, known-bad cells) of `cells`, by candidate."""
+    return [c for c in cells if c[1] not in bad_names], [c for c in cells if c[1] in bad_names]
 
 
 def _combine(outs: list) -> int:
@@ -143,8 +145,7 @@ def _combine(outs: list) -> int:
     ok = True
     for (nulls, margin, window, lead), group in rules.items():
         print(f"\n== rule: {nulls} nulls, margin {margin}, window {window}, lead {lead}: {len(group)} A/Bs")
-        goods = [c for c in group if c[1] not in bads]
-        summary, fp, missed = _report(group, goods, [c for c in group if c[1] in bads])
+        summary, fp, missed = _report(group, *_split(group, bads))
         ok &= not fp and not missed and not summary["errors"]
     print(f"\n{len(cells)} A/Bs from {len(outs)} calibration folder(s), {len(rules)} rule(s)")
     return 0 if ok else 1

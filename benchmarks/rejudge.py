@@ -59,14 +59,23 @@ def judge_one(arms: dict, seed: str, cand: str, nulls: list, opts: list, rule) -
     return found, detail
 
 
+def by_seed(arms: dict) -> dict:
+    """{seed: (optimizers, arm names)} of dumped arms keyed "<seed>/<optimizer>/<arm>", read in one pass."""
+    seen = {}
+    for k in arms:
+        seed, opt, name = k.split("/", 2)
+        opts, names = seen.setdefault(seed, (set(), set()))
+        opts.add(opt)
+        names.add(name)
+    return {s: (sorted(o), sorted(n)) for s, (o, n) in sorted(seen.items())}
+
+
 def judge(args) -> int:
     arms = load_dumps(args.dumps)
-    seeds = sorted({k.split("/")[0] for k in arms})
+    seeds = by_seed(arms)
     n = fp = 0
     worst = []
-    for s in seeds:
-        opts = sorted({k.split("/")[1] for k in arms if k.startswith(s + "/")})
-        names = sorted({k.split("/", 2)[2] for k in arms if k.startswith(s + "/")})
+    for s, (opts, names) in seeds.items():
         own = [f"null-{j}" for j in range(1, args.nulls + 1)]
         for c in (x for x in names if x.startswith("cand:")):
             found, detail = judge_one(arms, s, c, own, opts, args)
@@ -86,12 +95,11 @@ def judge(args) -> int:
     return 0
 
 
-def _resample(arms: dict, seeds: list, args):
+def _resample(arms: dict, seeds: dict, args):
     rng = np.random.default_rng(0)
     n = fp = 0
-    for s in seeds:
-        opts = sorted({k.split("/")[1] for k in arms if k.startswith(s + "/")})
-        good = sorted({k.split("/", 2)[2] for k in arms if k.startswith(s + "/")} - {f"cand:{b}" for b in BAD})
+    for s, (opts, names) in seeds.items():
+        good = sorted(set(names) - {f"cand:{b}" for b in BAD})
         for c in good:
             subsets = list(itertools.combinations([x for x in good if x != c], args.nulls))
             for i in rng.choice(len(subsets), size=min(args.resample, len(subsets)), replace=False):

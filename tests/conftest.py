@@ -98,6 +98,21 @@ def shared_arms(arms_cache_dir, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def process_state():
+    """state(pid): the process's state letter from /proc (R, S, Z for a zombie, ...) or "gone": whether something
+    a test's arm or probe started was left running (a zombie has ended; only its parent has not reaped it yet)."""
+    from pathlib import Path
+
+    def state(pid) -> str:
+        try:
+            return Path(f"/proc/{int(pid)}/stat").read_text().split()[2]
+        except (FileNotFoundError, ProcessLookupError):
+            return "gone"
+
+    return state
+
+
+@pytest.fixture(scope="session")
 def tiny():
     from divergence.recipe import load_recipe
 

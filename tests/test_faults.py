@@ -166,7 +166,7 @@ def test_vocabulary_smaller_than_tokenizer_is_one_line(tmp_path, capsys):
     assert "model.vocab_size: 300 is smaller than the tokenizer's vocabulary (1024)" in err
 
 
-def test_processes_a_candidate_leaves_behind_are_ended(tmp_path, shared_arms):
+def test_processes_a_candidate_leaves_behind_are_ended(tmp_path, shared_arms, process_state):
     """A candidate that starts a long-lived process: its arm still finishes, and the leftover process (in the
     arm's process group) is killed once the arm is done, not left running after the A/B."""
     pids = tmp_path / "pids.txt"
@@ -184,9 +184,5 @@ def run(gate, up):
     left = [int(p) for p in pids.read_text().split()]
     assert left  # the candidate ran (in the candidate arm only: its lockstep check rides there)
     time.sleep(1)
-    for pid in left:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-        except FileNotFoundError:
-            continue  # gone
-        assert state == "Z", f"process {pid} the candidate started is still running (state {state})"
+    running = {pid: process_state(pid) for pid in left if process_state(pid) not in ("gone", "Z")}
+    assert not running, f"processes the candidate started are still running (pid: state): {running}"

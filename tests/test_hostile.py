@@ -338,7 +338,7 @@ def test_fork_served_arms_die_with_an_ab_killed_alone(tmp_path):
         p.kill()
 
 
-def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path):
+def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path, process_state):
     """PR_SET_PDEATHSIG: a `divergence probe` killed with -9 takes its worker (in a group of its own) with it."""
     spec = tmp_path / "hang.py"
     spec.write_text(textwrap.dedent("""\
@@ -361,10 +361,7 @@ def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path):
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(10)
     time.sleep(0.5)
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        state = "gone"
+    state = process_state(pid)
     assert state in ("gone", "Z"), f"the probe's worker {pid} is still running (state {state})"
 
 

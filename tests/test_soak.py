@@ -52,7 +52,9 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
         assert by[("zoo:embed_sort_segment", seed)]["verdict"] == "PASS"
     with open(out / "soak.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
-    assert "overall" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "overall" in printed and "s training arms" in printed.splitlines()[-1]
+    assert set(json.loads((out / "soak.json").read_text())["timings"]) == {"arms_s", "judge_s"}
     n_runs = check_wandb_groups(out, rows)
 
     arms = sorted(out.glob("*/seed-*/*/*/arm.json"))

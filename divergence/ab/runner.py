@@ -328,7 +328,8 @@ def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
 def start_server_early(recipe, device: str) -> None:
     """On a GPU, where the arms will be fork-served: start the server now, without waiting for it. Its imports
     (Lightning, inductor) then overlap the candidate's loading, the probe and the corpus instead of delaying the
-    first arm: the first served arm's boot_s, which includes the server's start, was 16-23 s (2026-11-25, one H100).
+    first arm: the first served arm's boot_s, which includes the server's start, was 11-23 s (2026-11-25, one H100;
+    9.7 s in the one run since).
     Not on the CPU, where the server's imports would compete with the probe for a machine's few cores."""
     if device != "cuda" or start_method(device, recipe.train.threads, recipe.ab.arm_start) != "forkserver":
         return

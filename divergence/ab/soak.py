@@ -134,14 +134,18 @@ def cmd_soak(args, publish=None) -> int:
           f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
     t0, ran = time.time(), set()
     arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran)
+    t_judge = time.time()
     rows, logged = _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran)
+    timings = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}  # judge_s: publishing too
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
-                                   "wall_s": time.time() - t0})
+                                   "wall_s": time.time() - t0, "timings": timings})
     if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
         meta = {"name": soak["name"], "soak": soak, "optimizers": opts, "backend": backend}
         publish.log_soak_table(out, rows, meta)
     _write_csv(out / "soak.csv", rows)
     _print_rows(rows, opts)
+    print(f"time: {time.time() - t0:.0f} s from the first arm: {timings['arms_s']:.0f} s training arms, "
+          f"{timings['judge_s']:.0f} s judging and publishing the cells", flush=True)
     return soak_exit_code([r["exit_code"] for r in rows])
 
 
