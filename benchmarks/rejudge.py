@@ -72,10 +72,10 @@ def by_seed(arms: dict) -> dict:
 
 def judge(args) -> int:
     arms = load_dumps(args.dumps)
-    seeds = by_seed(arms)
+    per_seed = by_seed(arms)
     n = fp = 0
     worst = []
-    for s, (opts, names) in seeds.items():
+    for s, (opts, names) in per_seed.items():
         own = [f"null-{j}" for j in range(1, args.nulls + 1)]
         for c in (x for x in names if x.startswith("cand:")):
             found, detail = judge_one(arms, s, c, own, opts, args)
@@ -91,14 +91,14 @@ def judge(args) -> int:
         m, s, o, c = max(worst)
         print(f"largest statistic of a known-good candidate: {m:.2f} ({s}, {o}, {c})")
     if args.resample:
-        _resample(arms, seeds, args)
+        _resample(arms, per_seed, args)
     return 0
 
 
-def _resample(arms: dict, seeds: dict, args):
+def _resample(arms: dict, per_seed: dict, args):
     rng = np.random.default_rng(0)
     n = fp = 0
-    for s, (opts, names) in seeds.items():
+    for s, (opts, names) in per_seed.items():
         good = sorted(set(names) - {f"cand:{b}" for b in BAD})
         for c in good:
             subsets = list(itertools.combinations([x for x in good if x != c], args.nulls))

@@ -182,8 +182,9 @@ class ABConfig:
     lockstep_every: int = 1  # the candidate arm checks its op on its live inputs every N steps (0 = off)
     probe: bool = True  # run the preflight probe before training
     arm_start: str = "auto"  # how arm processes start: auto | forkserver | spawn (ab/runner.start_method: why)
-    # Where train.compile is set, one arm starts alone and the rest once it has finished a step, reading its compiled
-    # graphs from inductor's cache instead of compiling the same ones at once (ab/runner.CompileFirst: why)
+    # Where train.compile is set, one reference or null arm starts alone and the rest once it has written its first
+    # metrics, reading its compiled graphs from inductor's cache instead of compiling the same ones at once
+    # (ab/runner.CompileFirst: why; the local scheduler only, not Ray)
     compile_first: bool = True
 
 

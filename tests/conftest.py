@@ -105,7 +105,8 @@ def process_state():
 
     def state(pid) -> str:
         try:
-            return Path(f"/proc/{int(pid)}/stat").read_text().split()[2]
+            # after the name's closing parenthesis: a name may hold spaces
+            return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, ProcessLookupError):
             return "gone"
 

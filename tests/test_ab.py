@@ -148,7 +148,7 @@ def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monke
 
 
 def _first_step_after_a_while(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
-    """A stand-in arm: notes when it started, then writes a metrics row (its first step) after 1.5 s, then ends."""
+    """A stand-in arm: notes when it started, writes a metrics row (its first flush) after 1.5 s, ends 3 s later."""
     import os
     import time
 
@@ -158,32 +158,38 @@ def _first_step_after_a_while(recipe, spec, out_dir, corpus, gpu=None, t_start=N
     (Path(out_dir) / "started").write_text(repr(time.time()))
     time.sleep(1.5)
     (Path(out_dir) / "metrics.jsonl").write_text('{"step": 0}\n')
-    time.sleep(0.5)
-    write_json(Path(out_dir) / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": 2.0})
+    time.sleep(3.0)
+    write_json(Path(out_dir) / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": 4.5})
     os._exit(0)
 
 
 @pytest.mark.parametrize("compile_first", [True, False])
 def test_under_compile_one_arm_goes_first_until_its_first_step(tmp_path, monkeypatch, compile_first):
-    """train.compile: the first arm runs alone until it has written a step (its graphs then sit in inductor's
-    cache, which the others read instead of compiling the same graphs at once); `ab.compile_first: false` and
-    recipes that do not compile start `workers` arms at once."""
+    """train.compile: a reference or null arm, moved to the front, runs alone until it has written its first
+    metrics (its graphs then sit in inductor's cache, which the others read instead of compiling the same graphs at
+    once), not until it ends; never a candidate's arm, which could hang; `ab.compile_first: false` and recipes that
+    do not compile start `workers` arms at once."""
     from divergence.ab import runner
     from divergence.recipe import load_recipe
     from divergence.train.arm import ArmSpec
 
     monkeypatch.setattr(runner, "_child", _first_step_after_a_while)
     recipe = load_recipe("tiny", {"train": {"compile": "eager"}, "ab": {"compile_first": compile_first}})
-    jobs = [runner.Job(f"sgd/arm-{i}", tmp_path / f"arm-{i}", ArmSpec(f"arm-{i}", "sgd")) for i in range(3)]
+    jobs = [runner.Job("sgd/candidate", tmp_path / "candidate", ArmSpec("candidate", "sgd", lockstep="x"))]
+    jobs += [runner.Job(f"sgd/null-{i}", tmp_path / f"null-{i}", ArmSpec(f"null-{i}", "sgd")) for i in (1, 2)]
     res = runner.run_jobs(recipe, jobs, None, "cpu", workers=3)
     assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
-    start = [float((j.out_dir / "started").read_text()) for j in jobs]
-    later = min(start[1:]) - start[0]
+    start = {j.spec.name: float((j.out_dir / "started").read_text()) for j in jobs}
+    alone = min(start, key=start.get)
+    later = min(t for n, t in start.items() if n != alone) - start[alone]
     if compile_first:
-        assert later >= 1.4, start  # after the first arm's first step, 1.5 s after its start
+        assert alone == "null-1", start  # the first arm with no candidate code, not the queue's first
+        assert 1.4 <= later < 3.5, start  # after its first metrics, 1.5 s after its start, before it ended (4.5 s)
     else:
         assert later < 1.0, start
-    assert not runner.CompileFirst(load_recipe("tiny"), jobs).pending  # nothing compiles: all at once
+    assert not runner.CompileFirst(load_recipe("tiny"), list(jobs)).pending  # nothing compiles: all at once
+    only_candidates = [jobs[0], runner.Job("adamw/candidate", tmp_path / "c2", ArmSpec("candidate", "adamw"))]
+    assert not runner.CompileFirst(recipe, only_candidates).pending  # no harness arm to go first: no gate
 
 
 def test_distance_memo_tells_bucket_sets_apart(bf16_run, tiny_corpus):
@@ -265,8 +271,9 @@ def test_the_fork_server_preloads_inductor_only_for_compiling_recipes():
 
 
 def test_a_gpu_run_starts_its_fork_server_before_its_first_arm(monkeypatch):
-    """On a GPU the server's imports (16-23 s on an H100) overlap the probe and the corpus: `ab` and `soak` start it
-    as soon as they know the device; the CPU, and GPU runs that spawn their arms, start none early."""
+    """On a GPU the server's imports (the first arm's boot, 11-23 s on an H100) overlap the probe and the corpus:
+    `ab` and `soak` start it as soon as they know the device; the CPU, and GPU runs that spawn their arms, start
+    none early."""
     from multiprocessing import forkserver
 
     from divergence.ab import runner
@@ -282,6 +289,54 @@ def test_a_gpu_run_starts_its_fork_server_before_its_first_arm(monkeypatch):
         assert started == [runner.SERVER_PRELOAD + runner.COMPILE_PRELOAD]
     finally:
         runner._context("forkserver")
+
+
+def test_ab_and_soak_start_the_server_once_they_know_the_device(tmp_path, monkeypatch, capsys):
+    """Both verbs call start_server_early with the run's recipe and device, before loading the candidate (here a
+    missing one: the call is made, then the run stops in one line) or the corpus."""
+    from divergence.ab import run, soak
+
+    asked = []
+    monkeypatch.setattr(run, "start_server_early", lambda recipe, device: asked.append(("ab", recipe.name, device)))
+    assert ab(tmp_path / "x", "--candidate", str(tmp_path / "missing.py")) == 2
+    import divergence.ab.runner as runner
+
+    monkeypatch.setattr(runner, "start_server_early", lambda recipe, device: asked.append(("soak", recipe.name,
+                                                                                            device)))
+    import divergence.data
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_):
+        raise Stop
+
+    monkeypatch.setattr(divergence.data, "load_corpus", stop)
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: t\nrecipe: tiny\n"
+                    "candidates: [{kernel: fused_embed_rmsnorm, candidate: zoo:embed_sort_segment}]\n")
+    with pytest.raises(Stop):
+        soak.cmd_soak(__import__("argparse").Namespace(soak=str(spec), out=str(tmp_path / "soak"), resume=None,
+                                                       set=None, backend=None, ray_address=None, no_wandb=True))
+    assert asked == [("ab", "tiny", "cpu"), ("soak", "tiny", "cpu")]
+
+
+def test_a_lingering_process_past_its_grace_is_killed_while_arms_still_run(tmp_path):
+    """_reap: a finished arm's process that has not exited by its deadline is killed with its group (a GPU arm
+    holding memory the next arms need); one still within its grace is left to exit."""
+    import multiprocessing as mp
+    import time
+
+    from divergence.ab.runner import _reap
+
+    ctx = mp.get_context("fork")
+    late, young = ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=time.sleep, args=(60,))
+    late.start(), young.start()
+    draining = [(late, time.time() - 1), (young, time.time() + 60)]
+    _reap(draining)
+    assert not late.is_alive() and young.is_alive() and draining == [(young, draining[0][1])]
+    young.kill()
+    young.join()
 
 
 def test_a_served_arm_that_finds_cuda_started_says_so_in_its_last_words(tmp_path, monkeypatch, tiny_corpus):

@@ -54,7 +54,7 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == 4
     printed = capsys.readouterr().out
     assert "overall" in printed and "s training arms" in printed.splitlines()[-1]
-    assert set(json.loads((out / "soak.json").read_text())["timings"]) == {"arms_s", "judge_s"}
+    assert set(json.loads((out / "soak.json").read_text())["timings"]) == {"arms_s", "judge_publish_s"}
     n_runs = check_wandb_groups(out, rows)
 
     arms = sorted(out.glob("*/seed-*/*/*/arm.json"))

@@ -99,10 +99,11 @@ def split_finished(jobs) -> tuple:
 
 def enter_world(world) -> None:
     """In an arm from the fork server: the asking process's environment as it is now. The server holds it as it
-    was when it started (the first fork-served arm of this process), and a test or a caller may have changed it
-    since. (The folder needs nothing: multiprocessing's preparation of the child already moves to the asker's.)
-    Modules the server imported read some variables once, at import (TORCHINDUCTOR_*, TRITON_*, OMP_*): those keep
-    the server's values; set them before the first arm starts, or use `ab.arm_start: spawn`.
+    was when it started (the first fork-served arm of this process, or on a GPU the start of `ab`/`soak`:
+    start_server_early), and a test or a caller may have changed it since. (The folder needs nothing:
+    multiprocessing's preparation of the child already moves to the asker's.) Modules the server imported read some
+    variables once, at import (TORCHINDUCTOR_*, inductor itself being preloaded for compiling recipes, TRITON_*,
+    OMP_*): those keep the server's values; set them before `divergence` starts, or use `ab.arm_start: spawn`.
 
     And let go of the server's lifeline: multiprocessing hands every served child the write end of the pipe whose
     closing tells the server its asker is gone, so that the child may ask the server for processes itself. An arm
@@ -202,11 +203,14 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
 
 
 class CompileFirst:
-    """Under `train.compile` the first arm to start runs alone until it has finished a step; then the rest start.
+    """Under `train.compile` one reference or null arm runs alone until it has written its first metrics (the first
+    flush: every 25 steps on a GPU); then the rest start.
 
-    Every arm of a run compiles the same graphs (the model after the embedding; candidates stay outside them), and
-    inductor keeps what it compiled in its on-disk cache, which a later arm reads instead of compiling. Started all
-    at once, the first arms each compile everything themselves, competing for the CPU: 2026-11-25, one H100, the
+    The arms of a run compile the same graphs (the model after the embedding, where the embedding's slot is the one
+    tested; a slot inside the body breaks the graph around any implementation but the plain reference, so there the
+    reference arm's graph is its own), and inductor keeps what it compiled in its on-disk cache, which a later arm
+    reads instead of compiling. Started all at once, the first arms each compile everything themselves, competing
+    for the CPU: 2026-11-25, one H100, the
     default A/B (18 arms, 4 at a time) on a cold cache spent 24-30 s per arm of the first four before its steady
     steps, against 3-6 s for every later arm, which found the cache filled. Started after the first, the others' cost
     fell to 5.1 s (median), but the A/B's wall time only from 125.8 to 121.2 s (6 arms x 300 steps, same H100): the
@@ -214,9 +218,15 @@ class CompileFirst:
     than time. On a warm cache it costs the first arm's few seconds of set-up and first steps.
     `ab.compile_first: false` starts them all at once."""
 
-    def __init__(self, recipe, jobs):
-        self.pending = bool(recipe.train.compile and recipe.ab.compile_first) and len(jobs) > 1
+    def __init__(self, recipe, queue: list):
+        """Moves the arm that goes alone to the front of `queue`: a reference or null arm, which runs no candidate
+        code, so that a candidate that hangs or crawls never holds the other workers back. No such arm left (all
+        shared, cached or finished): no gate."""
         self.first = None  # the job that goes alone
+        harness = [i for i, job in enumerate(queue) if job.spec.name != "candidate" and not job.spec.lockstep]
+        self.pending = bool(recipe.train.compile and recipe.ab.compile_first) and len(queue) > 1 and bool(harness)
+        if self.pending:
+            queue.insert(0, queue.pop(harness[0]))
 
     def room(self, running: dict, workers: int) -> int:
         """How many arms may run now."""
@@ -253,11 +263,13 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire)
-    # Every arm is on disk and none is left to start: the last arms' processes are not waited for. Waiting could
-    # add up to EXIT_GRACE_S to every run for exits the verdict never needs (a CUDA arm's took 10-15 s on the H200,
-    # 2026-11-21); without it the judging of the default A/B began 0.5 s after its last arm's result (2026-11-25,
-    # one H100: arms_s 274.5 s, the last result at 274 s).
+    # Every arm is on disk and none is left to start: the last arms' processes get a second in all to finish their
+    # exit (their finalizers: _release_shared_objects), then are killed, not waited for up to EXIT_GRACE_S each,
+    # which the verdict never needs. Since, the judging of the default A/B began 0.5 s after its last arm's result
+    # (2026-11-25, one H100: arms_s 274.5 s, the last result at 274 s; the wait before was not measured).
+    end = time.time() + 1.0
     for proc, _ in draining:
+        proc.join(max(0.0, end - time.time()))
         kill_group(proc)
     draining.clear()
 
@@ -342,8 +354,9 @@ def start_server_early(recipe, device: str) -> None:
 def _context(method: str, compiled: bool = False):
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # Effective until the server starts, at the first arm: one server per process, so an arm of a compiling
-        # recipe served by a server started for one that did not imports inductor itself (slower, not wrong).
+        # Effective until the server starts (at the first arm, or on a GPU at start_server_early): one server per
+        # process, so an arm of a compiling recipe served by a server started for one that did not imports inductor
+        # itself (slower, not wrong).
         ctx.set_forkserver_preload(SERVER_PRELOAD + (COMPILE_PRELOAD if compiled else []))
     return ctx
 

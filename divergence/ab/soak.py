@@ -9,8 +9,8 @@ once for all candidates (or from the arms cache: ab/share.py), for one of two ba
   every node sees at the same path (one host, or a shared mount); Ray is an extra: pip install '.[ray]'.
 A killed soak continues with `--resume DIR` (either backend) and repeats no finished arm. Each (candidate, seed)
 gets the same `verdict.json` (and `plan.json`) as `divergence ab`, logged to wandb with one group per candidate
-(unless --no-wandb); the overall table is printed last, written as `soak.json` and `soak.csv` and logged as one
-more wandb run.
+(unless --no-wandb); the overall table is printed at the end (then where the time went), written as `soak.json` and
+`soak.csv` and logged as one more wandb run.
 
 SOAK.yaml:
     name: nightly                      # used in the results folder's name
@@ -121,7 +121,8 @@ def cmd_soak(args, publish=None) -> int:
     check_optimizers(opts, base, f"{soak['path']}: optimizers")
     cells, jobs = _plan_cells(soak, out, opts)
     device = resolve_device(base)
-    start_server_early(base, device)
+    if backend != "ray":  # Ray's workers start their own processes
+        start_server_early(base, device)
     corpus = load_corpus(base.data)
     vocab = model_vocab(base, corpus)
     workers = _workers(base, device)
@@ -136,7 +137,7 @@ def cmd_soak(args, publish=None) -> int:
     arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran)
     t_judge = time.time()
     rows, logged = _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran)
-    timings = {"arms_s": round(t_judge - t0, 2), "judge_s": round(time.time() - t_judge, 2)}  # judge_s: publishing too
+    timings = {"arms_s": round(t_judge - t0, 2), "judge_publish_s": round(time.time() - t_judge, 2)}
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
                                    "wall_s": time.time() - t0, "timings": timings})
     if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
@@ -145,7 +146,7 @@ def cmd_soak(args, publish=None) -> int:
     _write_csv(out / "soak.csv", rows)
     _print_rows(rows, opts)
     print(f"time: {time.time() - t0:.0f} s from the first arm: {timings['arms_s']:.0f} s training arms, "
-          f"{timings['judge_s']:.0f} s judging and publishing the cells", flush=True)
+          f"{timings['judge_publish_s']:.0f} s judging and publishing the cells", flush=True)
     return soak_exit_code([r["exit_code"] for r in rows])
 
 
