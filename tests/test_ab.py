@@ -397,3 +397,34 @@ def test_arms_from_the_fork_server_train_bitwise_as_forked_arms(tmp_path, tiny_c
         assert done["sgd/candidate"]["status"] == "OK", done["sgd/candidate"]
         metrics[how] = (tmp_path / how / "metrics.jsonl").read_bytes()
     assert metrics["auto"] == metrics["forkserver"] and metrics["auto"].count(b"\n") >= 6
+
+
+def test_compiling_runs_keep_inductors_cache_beside_the_arms_cache(tmp_path, monkeypatch):
+    """Where the recipe compiles, inductor's cache goes to $DIVERGENCE_COMPILE_CACHE, else results/.compile-cache
+    under the working directory (a fresh machine with the results folder carried over starts warm); `off` and a
+    TORCHINDUCTOR_CACHE_DIR of the user's own leave inductor's choice; a recipe that does not compile changes
+    nothing."""
+    from divergence.ab.compilecache import INDUCTOR_ENV, use_compile_cache
+    from divergence.recipe import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    for name in (INDUCTOR_ENV, "DIVERGENCE_COMPILE_CACHE"):  # set, then removed: undone after the test either way
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+    compiling = load_recipe("tiny", {"train": {"compile": "inductor"}})
+    assert use_compile_cache(load_recipe("tiny")) is None and INDUCTOR_ENV not in os.environ
+    monkeypatch.setenv("DIVERGENCE_COMPILE_CACHE", "off")
+    assert use_compile_cache(compiling) is None and INDUCTOR_ENV not in os.environ
+    monkeypatch.delenv("DIVERGENCE_COMPILE_CACHE")
+    here = tmp_path / "results" / ".compile-cache"
+    assert use_compile_cache(compiling) == here and os.environ[INDUCTOR_ENV] == str(here) and here.is_dir()
+    monkeypatch.setenv(INDUCTOR_ENV, str(tmp_path / "mine"))  # the user's own wins over ours
+    monkeypatch.setenv("DIVERGENCE_COMPILE_CACHE", str(tmp_path / "ours"))
+    assert use_compile_cache(compiling) == tmp_path / "mine" and not (tmp_path / "ours").exists()
+    monkeypatch.delenv(INDUCTOR_ENV)
+    assert use_compile_cache(compiling) == tmp_path / "ours" and os.environ[INDUCTOR_ENV] == str(tmp_path / "ours")
+    # inductor's own default in the environment (importing Lightning writes it there) is not a user's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv(INDUCTOR_ENV, default_cache_dir())
+    assert use_compile_cache(compiling) == tmp_path / "ours"

@@ -26,6 +26,7 @@ from ..detect.buckets import bucket_rows
 from ..detect.probe.run import default_candidate
 from ..detect.probe.shapes import declared_for
 from . import health
+from .compilecache import use_compile_cache
 from .plan import plan_arms
 from .runner import run_jobs, start_server_early
 
@@ -82,6 +83,7 @@ def cmd_ab(args, publish=None) -> int:
     out, slot, cand, recipe_src, opts, overrides, defn = _resumed(args) if args.resume else _asked(args)
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
+    use_compile_cache(recipe)  # before any arm or server starts: they take it from the environment
     start_server_early(recipe, device)
     cand = cand or default_candidate(slot, device)
     if opts is None:

@@ -110,6 +110,7 @@ def cmd_soak(args, publish=None) -> int:
     """`divergence soak`. `publish` (report.publish, passed by cli) logs each judged cell and the table to wandb;
     None logs nothing."""
     from .run import _workers, check_optimizers
+    from .compilecache import use_compile_cache
     from .runner import start_server_early
     from ..data import load_corpus
     from ..recipe import load_recipe
@@ -121,6 +122,7 @@ def cmd_soak(args, publish=None) -> int:
     check_optimizers(opts, base, f"{soak['path']}: optimizers")
     cells, jobs = _plan_cells(soak, out, opts)
     device = resolve_device(base)
+    use_compile_cache(base)  # before any arm or server starts (Ray's workers keep their own environment)
     if backend != "ray":  # Ray's workers start their own processes
         start_server_early(base, device)
     corpus = load_corpus(base.data)
