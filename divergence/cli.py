@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from .errors import UserError
 
@@ -175,9 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    started = time.time()  # before the heavy imports (torch, Lightning: seconds), which a run's time line counts
     from .train.quiet import quiet_lightning
 
     args = build_parser().parse_args(argv)
+    args.started = started
     quiet_lightning()
     try:
         return args.fn(args)

@@ -79,7 +79,7 @@ def cmd_ab(args, publish=None) -> int:
     from ..detect.probe.isolate import load_meta
     from ..train.arm import resolve_device
 
-    t_start = time.time()
+    t_start = getattr(args, "started", None) or time.time()  # the command's start (cli.main), its imports included
     out, slot, cand, recipe_src, opts, overrides, defn = _resumed(args) if args.resume else _asked(args)
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
