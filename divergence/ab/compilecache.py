@@ -42,6 +42,7 @@ def use_compile_cache(recipe) -> Optional[Path]:
 
 
 def _inductor_default() -> str:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch's own default: /tmp/torchinductor_<user>
+    """Inductor's own folder, /tmp/torchinductor_<user>."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return default_cache_dir()
