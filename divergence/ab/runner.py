@@ -210,13 +210,12 @@ class CompileFirst:
     tested; a slot inside the body breaks the graph around any implementation but the plain reference, so there the
     reference arm's graph is its own), and inductor keeps what it compiled in its on-disk cache, which a later arm
     reads instead of compiling. Started all at once, the first arms each compile everything themselves, competing
-    for the CPU: 2026-11-25, one H100, the
-    default A/B (18 arms, 4 at a time) on a cold cache spent 24-30 s per arm of the first four before its steady
-    steps, against 3-6 s for every later arm, which found the cache filled. Started after the first, the others' cost
-    fell to 5.1 s (median), but the A/B's wall time only from 125.8 to 121.2 s (6 arms x 300 steps, same H100): the
-    other workers wait while the first compiles. It saves CPU (one compile instead of four, beside the probe) more
-    than time. On a warm cache it costs the first arm's few seconds of set-up and first steps.
-    `ab.compile_first: false` starts them all at once."""
+    for the CPU: 2026-11-25, one H100, the default A/B (18 arms, 4 at a time) on a cold cache spent 24-30 s per arm
+    of the first four before its steady steps, against 3-6 s for every later arm, which found the cache filled.
+    Started after the first, the others' cost fell to 5.1 s (median), but the A/B's wall time only from 125.8 to
+    121.2 s (6 arms x 300 steps, same H100): the other workers wait while the first compiles. It saves CPU (one
+    compile instead of four, beside the probe) more than time. On a warm cache it costs the first arm's few seconds
+    of set-up and first steps. `ab.compile_first: false` starts them all at once."""
 
     def __init__(self, recipe, queue: list):
         """Moves the arm that goes alone to the front of `queue`: a reference or null arm, which runs no candidate
