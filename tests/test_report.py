@@ -250,7 +250,7 @@ def test_the_flag_line_is_drawn_and_worded_at_the_margin_the_verdict_used(result
     """Where the leave-one-out check widened an optimizer's margin, the plot's flag line, the metric table's limit
     and the words are at the widened margin: at the rule's 3x the plot showed a candidate over the line and not
     flagged, and the page said training "stayed within 3x" (h200-story, SGD lr 0.5, 2026-11-25: margin 19.1)."""
-    from divergence.detect.verdict import margin_used
+    from divergence.detect.verdict import floor_for, margin_used
     from divergence.report.html import _metric_tables
     from divergence.report.results import load_results
 
@@ -267,7 +267,5 @@ def test_the_flag_line_is_drawn_and_worded_at_the_margin_the_verdict_used(result
     res = load_results(out)
     k, m = next((k, m) for k, m in enumerate(v["optimizers"][opt]["metrics"]) if m["final_envelope"] > 0)
     row = _metric_tables(res)[0]["rows"][k]
-    from divergence.detect.verdict import floor_for
-
     assert float(row["limit"]) == pytest.approx(19.1 * m["final_envelope"] + floor_for(m["metric"]), rel=1e-2)
     assert "Training stayed within 19.1x" in words.optimizer_sentence(v["optimizers"][opt], v["rule"])

@@ -4,8 +4,8 @@ One-thread CPU arms are forked (torch is already imported: a fork starts in mill
 ~4 s), `workers` at a time. CPU arms of several threads (GNU OpenMP does not survive a fork: start_method) come from a
 fork server: one clean interpreter per asking process that imported the training code once and has run no torch op,
 each arm a fork of it. So do CUDA arms: the server never starts CUDA (which does not survive a fork), each arm starts
-its own. A watchdog ends an arm with TIMEOUT when its metrics file
-stops growing for `step_timeout_s` or it outlives `arm_timeout_s`.
+its own. A watchdog ends an arm with TIMEOUT when its metrics file stops growing for `step_timeout_s` or it outlives
+`arm_timeout_s`.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def kept_on_resume(job, st) -> bool:
     """Whether a resume keeps the arm whose arm.json (as read by arm_status) is `st` instead of training it."""
     if not st or st.get("status") not in DONE or out_of_memory(st):
         return False
-    return job.spec.name == "candidate" or st["status"] not in RETRIED
+    return job.spec.runs_candidate or st["status"] not in RETRIED
 
 
 def split_finished(jobs) -> tuple:
@@ -222,7 +222,7 @@ class CompileFirst:
         code, so that a candidate that hangs or crawls never holds the other workers back. No such arm left (all
         shared, cached or finished): no gate."""
         self.first = None  # the job that goes alone
-        harness = [i for i, job in enumerate(queue) if job.spec.name != "candidate" and not job.spec.lockstep]
+        harness = [i for i, job in enumerate(queue) if not job.spec.runs_candidate]
         self.pending = bool(recipe.train.compile and recipe.ab.compile_first) and len(queue) > 1 and bool(harness)
         if self.pending:
             queue.insert(0, queue.pop(harness[0]))

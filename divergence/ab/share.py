@@ -77,7 +77,7 @@ def arm_key(recipe, spec, shared: dict) -> Optional[tuple]:
     """(key, its ingredients) for an arm that runs no candidate code, else None; `shared`: run_ingredients."""
     from ..candidates.resolve import build_kernels
 
-    if spec.lockstep or spec.name == "candidate":
+    if spec.runs_candidate:
         return None
     kernels = build_kernels(spec.kernels).describe()
     if any(k["role"] == "candidate" for k in kernels.values()):

@@ -227,8 +227,8 @@ def distance_curves(res, path):
                 ax.plot(steps, _clip(x, lo), color=NULL, lw=0.8, label="null arms" if k == 0 else None)
             ax.plot(steps, _clip(limit, lo), color=LIMIT, ls="--", lw=1.2,
                     label=f"flag line: {margin:.3g}x envelope + floor"
-                    + (" (margin widened: leave-one-out)" if margin != res.verdict.get("rule", {}).get("margin")
-                       else ""))
+                    + (" (margin widened: leave-one-out)"
+                       if (res.opt_verdict(opt).get("calibration") or {}).get("widened") else ""))
             ax.plot(steps, _clip(cand, lo), color=CAND, lw=1.4, marker="o" if n <= 60 else None, ms=3,
                     label="candidate")
             mr = res.metric_result(opt, m)

@@ -33,6 +33,12 @@ class ArmSpec:
     # and the float64 oracle on the inputs it is given, every `ab.lockstep_every` steps.
     lockstep: Optional[str] = None
 
+    @property
+    def runs_candidate(self) -> bool:
+        """The candidate's arm (which carries the lockstep check): it runs candidate code, so it is never shared,
+        keeps its crash on resume and never goes first (ab/share.py, ab/runner.py)."""
+        return self.name == "candidate" or bool(self.lockstep)
+
 
 def resolve_device(recipe) -> str:
     """The recipe's `train.device` (auto | cpu | cuda, checked by recipe.py) -> cpu or cuda."""
