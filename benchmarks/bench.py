@@ -173,9 +173,10 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=None) -> dict:
+def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=None, on_step=None) -> dict:
     """`backend`: None for eager, else a `train.compile` value: torch.compile of the whole model (a user's one
-    line; the harness compiles all but the embedding, whose backward is a slot)."""
+    line; the harness compiles all but the embedding, whose backward is a slot). `on_step()` is called after
+    every step, warm-up included (the profiler's step)."""
     from divergence.data import Batches
     from divergence.model.transformer import compile_options, uses_cudagraphs
 
@@ -202,6 +203,8 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=N
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone() if cudagraphs else loss.detach())
+        if on_step is not None:
+            on_step()
 
     for i in range(warmup):  # first steps: allocator, cuBLAS/cuDNN heuristics, torch.compile
         step(i)
@@ -219,8 +222,9 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=N
             "n_params": n_params, "loss_step0": vals[0], "loss_last": vals[-1], "compile": backend}
 
 
-def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, kernels=None) -> dict:
-    """One arm of `steps` SGD steps through run_arm, in this process. Its steady ms/step comes from the arm's own
+def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, kernels=None, optimizer="sgd",
+                callbacks=()) -> dict:
+    """One arm of `steps` steps through run_arm, in this process. Its steady ms/step comes from the arm's own
     timings (between the first and last metrics flush, each a device sync): evaluations, snapshots, metrics and
     lockstep included, one-time costs (Lightning's set-up, the first steps, the final evaluation) not."""
     from divergence.recipe import recipe_from_dict
@@ -234,8 +238,8 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, 
     r = recipe_from_dict(raw, where=f"{recipe.path} (bench, steps={steps})")
     r.path = recipe.path
     out = workdir / name
-    info = run_arm(r, ArmSpec(name=name, optimizer="sgd", kernels=kernels or {}, lockstep=lockstep), out, corpus=corpus,
-                   progress=False, watcher=Lockstep)
+    info = run_arm(r, ArmSpec(name=name, optimizer=optimizer, kernels=kernels or {}, lockstep=lockstep), out,
+                   corpus=corpus, progress=False, watcher=Lockstep, callbacks=callbacks)
     if info["status"] != "OK":
         raise RuntimeError(f"bench arm {name} ended {info['status']}: {info.get('error') or info.get('stop_where')}")
     rows = read_metrics(out / "metrics.jsonl")
@@ -304,32 +308,126 @@ def arm_one_time(arms: list) -> dict:
     return out
 
 
-def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, steps=30):
-    """Where the time goes, for a developer: torch.profiler tables (top ops by device time) of the bare loop and
-    of a harness arm (reference kernels, no lockstep), and a cProfile of that arm (Python-side and one-time costs)."""
-    import cProfile
-    import io
-    import pstats
+# Runtime calls that put work on the device queue: what "launches per step" counts.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
+PROFILE_SKIP, PROFILE_STEPS = 30, 40  # steps before the window (compilation, first flush), steps profiled
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+
+class _Window:
+    """A torch.profiler over steps [PROFILE_SKIP + 2, PROFILE_SKIP + 2 + PROFILE_STEPS) of a loop, advanced by
+    `step()` after each step: the steady state only (no compilation, no first evaluation). The window's wall time
+    is taken between two device syncs, so it is the steps' real time (under the profiler's own overhead)."""
+
+    def __init__(self, device: str):
+        import cProfile
+
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.device, self.done, self.n, self.t0, self.wall_s = device, None, 0, None, None
+        self.py = cProfile.Profile()  # the host's side of the same window: Python, Lightning, the recorder
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        self.prof = profile(activities=acts, schedule=schedule(wait=PROFILE_SKIP, warmup=2, active=PROFILE_STEPS),
+                            on_trace_ready=self._ready)
+        self.prof.start()
+
+    def _ready(self, prof):
+        self.done = prof
+
+    def step(self):
+        self.n += 1
+        if self.n == PROFILE_SKIP + 2:  # the active window starts with the next step
+            _sync(self.device)
+            self.t0 = time.perf_counter()
+            self.py.enable()
+        elif self.n == PROFILE_SKIP + 2 + PROFILE_STEPS:  # the window's last step: timed before the trace is read
+            _sync(self.device)
+            self.wall_s = time.perf_counter() - self.t0
+            self.py.disable()
+        if self.done is None:
+            self.prof.step()
+
+    def close(self):
+        if self.done is None:
+            self.py.disable()
+            self.prof.stop()
+
+    def summary(self) -> dict:
+        """Per profiled step: wall ms, device-busy ms (the union of kernel, copy and set intervals), launches."""
+        if self.done is None:
+            raise RuntimeError(f"the profiled loop ran {self.n} steps; the window needs {PROFILE_SKIP + 2 + PROFILE_STEPS}")
+        from torch.autograd import DeviceType
+
+        spans, launches = [], 0
+        for e in self.done.events():
+            if getattr(e, "is_user_annotation", False) or e.name.startswith("ProfilerStep"):
+                continue  # a span kineto draws on the device's timeline for a marker (ProfilerStep#), not work
+            if e.device_type == DeviceType.CUDA:
+                spans.append((e.time_range.start, e.time_range.end))
+            elif e.name in LAUNCH_CALLS:
+                launches += 1
+        busy, end = 0.0, float("-inf")
+        for a, b in sorted(spans):
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        return {"steps": PROFILE_STEPS, "wall_ms_per_step": 1e3 * self.wall_s / PROFILE_STEPS,
+                "device_busy_ms_per_step": busy / 1e3 / PROFILE_STEPS if spans else None,
+                "launches_per_step": launches / PROFILE_STEPS}
+
+    def table(self, rows=25) -> str:
+        """torch.profiler's top ops by device time (by host time on the CPU), then cProfile's top Python calls."""
+        import io
+        import pstats
+
+        key = "self_cuda_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        buf = io.StringIO()
+        pstats.Stats(self.py, stream=buf).sort_stats("tottime").print_stats(rows)
+        return self.done.key_averages().table(sort_by=key, row_limit=rows) + "\n\n" + buf.getvalue()
+
+
+def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, optimizers=("sgd",),
+            lockstep_candidate=None) -> dict:
+    """Where the steady step's time goes, for a developer: PROFILE_STEPS steps after PROFILE_SKIP + 2 of the
+    compiled bare loop, of a harness arm per optimizer (reference kernels) and of the candidate arm with its
+    lockstep check. Per loop: wall ms/step, device-busy ms/step (the gap between the two is the host's: launches,
+    Python, Lightning) and launches per step, into `summary.txt`, with torch.profiler's top ops in `<loop>.txt`."""
+    import lightning.pytorch as pl
 
     out.mkdir(parents=True, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    bare_loop(recipe, corpus, vocab, device, precision, 3, 2, recipe.train.compile)  # compiled outside the trace
-    with torch_profile(activities=acts) as prof:
-        bare_loop(recipe, corpus, vocab, device, precision, steps, 2, recipe.train.compile)
-    (out / "profile_bare.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=30))
-    pr = cProfile.Profile()
-    with torch_profile(activities=acts) as prof:
-        pr.enable()
-        harness_arm(recipe, corpus, steps, work, "profiled")
-        pr.disable()
-    (out / "profile_harness.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(60)
-    (out / "profile_harness_py.txt").write_text(buf.getvalue())
+    summary = {}
+
+    class _Step(pl.Callback):
+        def __init__(self, window):
+            self.window = window
+
+        def on_train_batch_end(self, *_):
+            self.window.step()
+
+    def run(name, fn):
+        window = _Window(device)
+        try:
+            fn(window)
+        finally:
+            window.close()
+        summary[name] = window.summary()
+        (out / f"{name}.txt").write_text(window.table())
+
+    n = PROFILE_SKIP + 2 + PROFILE_STEPS + 8
+    run("bare", lambda w: bare_loop(recipe, corpus, vocab, device, precision, n, 0, recipe.train.compile, w.step))
+    for opt in optimizers:
+        run(f"harness-{opt}", lambda w: harness_arm(recipe, corpus, n, work, f"profiled-{opt}", optimizer=opt,
+                                                    callbacks=[_Step(w)]))
+    if lockstep_candidate:
+        slot = {"fused_embed_rmsnorm": lockstep_candidate}
+        run("candidate-lockstep", lambda w: harness_arm(recipe, corpus, n, work, "profiled-lockstep", kernels=slot,
+                                                        lockstep="fused_embed_rmsnorm", callbacks=[_Step(w)]))
+    lines = [f"{'loop':<20} {'wall ms/step':>12} {'device-busy ms/step':>19} {'launches/step':>13}"]
+    for name, v in summary.items():
+        busy = "-" if v["device_busy_ms_per_step"] is None else f"{v['device_busy_ms_per_step']:.2f}"
+        lines.append(f"{name:<20} {v['wall_ms_per_step']:>12.2f} {busy:>19} {v['launches_per_step']:>13.0f}")
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    return summary
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -380,13 +478,16 @@ def default_lockstep_candidate(device: str) -> str:
 
 def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep_candidate=None, do_soak=False,
               compile_backend="recipe", peak=None, out=None, workdir=None, profile_dir=None, log=print,
-              soak_sets=()) -> dict:
+              soak_sets=(), optimizers=None) -> dict:
     """`compile_backend`: "recipe" keeps the recipe's `train.compile`; None or a backend name overrides it for
-    the harness arms and the like-for-like bare loop (not for --soak, which runs the recipe as it is)."""
+    the harness arms and the like-for-like bare loop (not for --soak, which runs the recipe as it is).
+    `optimizers`: those timed in a harness arm each (default: the recipe's `ab.optimizers`); the bare loop and the
+    comparison with it are SGD's."""
     from divergence.train.arm import model_vocab, resolve_device, resolve_precision
     from divergence.data import load_corpus
 
     recipe = _bench_recipe(recipe_name, compile_backend)
+    optimizers = _bench_optimizers(recipe, optimizers)
     device = resolve_device(recipe)
     precision = resolve_precision(recipe, device)
     steps = steps or (min(recipe.train.steps, 400) if device == "cuda" else min(recipe.train.steps, 20))
@@ -409,12 +510,22 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
                                        res["peak_tflops"]),
                           "vs_bare": baseline["ms_per_step"] / h["ms_per_step"],
                           "vs_bare_eager": bare["ms_per_step"] / h["ms_per_step"]}
+        # The A/B's other optimizers: their steps differ in the optimizer's own kernels (Adafactor's most).
+        res["harness_by_optimizer"] = {"sgd": h}
+        for opt in optimizers:
+            if opt != "sgd":
+                log(f"  harness arm, {opt}: {steps} steps ...")
+                o = harness_arm(recipe, corpus, steps, work, f"plain-{opt}", optimizer=opt)
+                res["harness_by_optimizer"][opt] = {**o, **_rate(o["ms_per_step"], recipe.tokens_per_step,
+                                                                 res["flops_per_step"], res["peak_tflops"])}
         if lockstep:
             res["lockstep"] = _lockstep_cost(recipe, corpus, steps, work,
                                              lockstep_candidate or default_lockstep_candidate(device), log)
         if profile_dir:
-            log(f"  profiles (torch.profiler, cProfile) into {profile_dir} ...")
-            profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir))
+            log(f"  profiles (torch.profiler, cProfile) of {PROFILE_STEPS} steady steps per loop into {profile_dir} ...")
+            cand = (lockstep_candidate or default_lockstep_candidate(device)) if lockstep else None
+            res["profile"] = profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir),
+                                     ["sgd"] + [o for o in optimizers if o != "sgd"], cand)
     finally:
         tmp.cleanup()
     res["soak"] = _bench_soak(recipe, log, soak_sets) if do_soak else None
@@ -439,6 +550,16 @@ def _bench_recipe(recipe_name: str, compile_backend):
     if "sgd" not in recipe.optimizers:
         raise SystemExit(f"{recipe.path}: the bench trains with SGD; the recipe has no optimizers.sgd")
     return recipe
+
+
+def _bench_optimizers(recipe, names) -> list:
+    """The optimizers to time (default: the recipe's `ab.optimizers`), each one the recipe configures."""
+    names = list(names or recipe.ab.optimizers)
+    unknown = [n for n in names if n not in recipe.optimizers]
+    if unknown:
+        raise SystemExit(f"{recipe.path}: --optimizers: {', '.join(unknown)} not in the recipe's optimizers "
+                         f"({', '.join(recipe.optimizers)})")
+    return names
 
 
 def _header(recipe, device: str, precision: str, vocab: int, peak) -> dict:
@@ -528,6 +649,9 @@ def format_table(res: dict) -> str:
     if h:
         row(f"harness arm (run_arm, {how}), steady", h)
         row("harness arm, end to end (in process)", h, ms=1e3 * h["wall_s"] / h["steps"])
+    for opt, o in (res.get("harness_by_optimizer") or {}).items():
+        if opt != "sgd":
+            row(f"harness arm under {opt}, steady", o)
     ls = res.get("lockstep")
     if ls:
         row(f"candidate arm + lockstep (every {ls['every']}), steady", ls)
@@ -553,6 +677,13 @@ def format_table(res: dict) -> str:
                      f"verdict {s['verdict']}, exit code {s['exit_code']}")
         for key, v in (s.get("one_time") or {}).items():
             lines.append(f"  per arm {key}: median {v['median']:.2f} s, largest {v['max']:.2f} s ({v['arms']} arms)")
+    if res.get("profile"):
+        lines.append(f"profile, {PROFILE_STEPS} steady steps each (wall under the profiler; device-busy: the union "
+                     "of the device's kernels and copies):")
+        for name, v in res["profile"].items():
+            busy = v["device_busy_ms_per_step"]
+            lines.append(f"  {name}: wall {v['wall_ms_per_step']:.2f} ms/step, device busy "
+                         f"{'-' if busy is None else f'{busy:.2f} ms'}, {v['launches_per_step']:.0f} launches/step")
     return "\n".join(lines)
 
 
@@ -576,7 +707,10 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, help="the device's bf16 peak, for MFU (default: data sheet)")
     ap.add_argument("--out", help="JSON output (default results/bench-<recipe>-<time>.json)")
     ap.add_argument("--workdir", help="where the harness arms write (a temporary folder inside, removed after)")
-    ap.add_argument("--profile", metavar="DIR", help="also write torch.profiler and cProfile tables of 30 steps")
+    ap.add_argument("--optimizers", help="comma-separated optimizers timed in a harness arm each (default: the "
+                                         "recipe's ab.optimizers)")
+    ap.add_argument("--profile", metavar="DIR", help=f"also profile {PROFILE_STEPS} steady steps of each loop: "
+                    "wall, device-busy and launches per step, and torch.profiler's top ops")
     args = ap.parse_args(argv)
     if args.sets and not args.soak:
         ap.error("--set changes only --soak's divergence ab; add --soak")
@@ -589,7 +723,7 @@ def main(argv=None) -> int:
                   lockstep_candidate=args.lockstep_candidate, do_soak=args.soak,
                   compile_backend=None if args.compile == "none" else args.compile,
                   peak=args.peak_tflops, out=out, workdir=args.workdir, profile_dir=args.profile,
-                  soak_sets=args.sets)
+                  soak_sets=args.sets, optimizers=args.optimizers.split(",") if args.optimizers else None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

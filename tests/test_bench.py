@@ -39,7 +39,7 @@ def test_bare_model_computes_the_harness_loss_from_the_same_weights():
     ref = build_model(r.model, vocab, build_kernels({}, {"vocab_size": vocab}), r.seed)
     ids = torch.randint(0, vocab, (2, r.model.seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
-    assert torch.allclose(bare(x, y), ref(x, y)[1], rtol=1e-6, atol=0)
+    assert torch.allclose(bare(x, y), ref(x, y), rtol=1e-6, atol=0)
 
 
 @pytest.fixture
@@ -117,3 +117,26 @@ def test_bench_hands_its_overrides_to_the_soaks_ab(tmp_path, monkeypatch):
     assert res["exit_code"] == 3 and res["verdict"] is None and res["one_time"] == {} and res["arms"] == 0
     with pytest.raises(SystemExit):  # --set without --soak would change nothing: refused, not ignored
         bench.main(["--set", "ab.arm_start=forkserver"])
+
+
+def test_profile_window_covers_the_steady_steps_only():
+    """The profiler window opens after PROFILE_SKIP + 2 steps and closes after PROFILE_STEPS more: its wall time
+    and ops are those steps', and a loop too short for it is an error, not a figure."""
+    calls = []
+    w = bench._Window("cpu")
+    try:
+        for i in range(bench.PROFILE_SKIP + 2 + bench.PROFILE_STEPS + 5):
+            calls.append(torch.ones(4).add_(i))  # one aten op per step
+            w.step()
+    finally:
+        w.close()
+    s = w.summary()
+    assert s["steps"] == bench.PROFILE_STEPS and s["wall_ms_per_step"] > 0
+    assert s["device_busy_ms_per_step"] is None and s["launches_per_step"] == 0  # no device on the CPU
+    assert "aten::add_" in w.table()
+    short = bench._Window("cpu")
+    for _ in range(5):
+        short.step()
+    short.close()
+    with pytest.raises(RuntimeError, match="the profiled loop ran 5 steps"):
+        short.summary()

@@ -35,7 +35,7 @@ def _losses(model, r, steps=3):
     out = []
     x, y = _batch(r)
     for _ in range(steps):  # one batch again and again: the loss must fall
-        _, loss = model(x, y)
+        loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -73,7 +73,7 @@ def _graphs_of(model, r):
     torch._dynamo.reset()
     model.body = torch.compile(model._body, backend=record, dynamic=False)
     x, y = _batch(r)
-    model(x, y)[1].backward()
+    model(x, y).backward()
     return graphs
 
 

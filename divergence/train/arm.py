@@ -71,12 +71,12 @@ def model_vocab(recipe, corpus) -> int:
 
 
 def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool] = None,
-            boot_s: Optional[float] = None, watcher=None) -> dict:
+            boot_s: Optional[float] = None, watcher=None, callbacks=()) -> dict:
     """Train one arm to the end (or to the first NaN); returns and writes its `arm.json`.
 
     `watcher(recipe, slot, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
     detectors' Lockstep, passed down by the orchestration layer: training never imports the detectors); its
-    `summary()` goes into arm.json."""
+    `summary()` goes into arm.json. `callbacks`: extra Lightning callbacks (the bench's profiler steps)."""
     from .module import ArmModule  # imports lightning.pytorch first: it sets its loggers' levels on import
     from ..data import load_corpus
 
@@ -97,7 +97,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     rec.watch_nonfinite(kernels)
     lockstep = _lockstep(recipe, spec, watcher, kernels, corpus, rec)
     module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec)
-    trainer = _trainer(recipe, device, progress)
+    trainer = _trainer(recipe, device, progress, callbacks)
     t0 = time.time()
     rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
     if boot_s is not None:
@@ -135,14 +135,14 @@ def _lockstep(recipe, spec: ArmSpec, watcher, kernels, corpus, rec):
     return watcher(recipe, spec.lockstep, kernels, corpus, rec)
 
 
-def _trainer(recipe, device: str, progress: Optional[bool]):
+def _trainer(recipe, device: str, progress: Optional[bool], callbacks=()):
     import lightning.pytorch as pl
 
     return pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=resolve_precision(recipe, device),
         max_steps=recipe.train.steps, logger=False, enable_checkpointing=False, enable_model_summary=False,
         num_sanity_val_steps=0, enable_progress_bar=recipe.train.progress if progress is None else progress,
-        use_distributed_sampler=False,
+        use_distributed_sampler=False, callbacks=list(callbacks),
     )
 
 

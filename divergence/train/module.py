@@ -50,7 +50,7 @@ class ArmModule(pl.LightningModule):
         opt.zero_grad(set_to_none=True)
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs may be reused
-        _, loss = self.model(x, y)
+        loss = self.model(x, y)
         self.manual_backward(loss)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         gnorm = self._group_norms(grads)
@@ -91,7 +91,7 @@ class ArmModule(pl.LightningModule):
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in batches:
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            loss = self.model(x.to(self.device), y.to(self.device))
             total += loss.double()
         self.model.train(was)
         return total / max(1, len(batches))
