@@ -5,10 +5,12 @@ Measured in one process on one device (GPU when there is one), with the recipe's
                untied head, bf16 autocast on CUDA), same initial weights and batches as the harness: ms/step
     harness    one arm through `run_arm` (reference kernels, SGD, Lightning, per-step metrics, evaluations,
                snapshots): steady ms/step from the arm's own timings (between its first and last metrics flush,
-               both device syncs), its one-time costs, and end-to-end tokens/s
+               both device syncs), its one-time costs, and end-to-end tokens/s; then one arm under each other
+               optimizer of the recipe's `ab.optimizers` (--optimizers), steady ms/step
     lockstep   a candidate arm (a fast correct kernel in fused_embed_rmsnorm, so the figure is the check's cost) with
                the lockstep check every `ab.lockstep_every` steps, against the same arm without it: extra ms/step
     soak       with --soak, the wall time of the default `divergence ab --kernel fused_embed_rmsnorm` on the recipe
+    profile    with --profile DIR, 40 steady steps of each loop under torch.profiler and cProfile (`profile`)
 Model FLOPs per step (NOTES' convention): 6 * N * tokens + 12 * n_layers * d_model * seq_len * tokens, N = every
 parameter (embedding and head included), attention counted without a causal discount. At the h200 recipe that is
 2.40 TFLOP per step; NOTES' anchor for the bare loop on an H200 is 10.6 ms/step (225 TFLOP/s).
@@ -21,7 +23,7 @@ Under `train.compile` (the GPU recipes) the bare loop is timed twice, eager and 
 model; the harness is measured against the compiled one, like for like.
 
     python benchmarks/bench.py [--recipe h200] [--steps 400] [--soak] [--compile BACKEND|none] [--profile DIR]
-                               [--out bench.json]
+                               [--optimizers sgd,adamw,adafactor] [--out bench.json]
 """
 from __future__ import annotations
 
