@@ -357,7 +357,8 @@ class _Window:
     def summary(self) -> dict:
         """Per profiled step: wall ms, device-busy ms (the union of kernel, copy and set intervals), launches."""
         if self.done is None:
-            raise RuntimeError(f"the profiled loop ran {self.n} steps; the window needs {PROFILE_SKIP + 2 + PROFILE_STEPS}")
+            raise RuntimeError(f"the profiled loop ran {self.n} steps; the window needs "
+                               f"{PROFILE_SKIP + 2 + PROFILE_STEPS}")
         from torch.autograd import DeviceType
 
         spans, launches = [], 0
@@ -424,12 +425,19 @@ def profile(recipe, corpus, vocab, device, precision, work: Path, out: Path, opt
         slot = {"fused_embed_rmsnorm": lockstep_candidate}
         run("candidate-lockstep", lambda w: harness_arm(recipe, corpus, n, work, "profiled-lockstep", kernels=slot,
                                                         lockstep="fused_embed_rmsnorm", callbacks=[_Step(w)]))
-    lines = [f"{'loop':<20} {'wall ms/step':>12} {'device-busy ms/step':>19} {'launches/step':>13}"]
-    for name, v in summary.items():
-        busy = "-" if v["device_busy_ms_per_step"] is None else f"{v['device_busy_ms_per_step']:.2f}"
-        lines.append(f"{name:<20} {v['wall_ms_per_step']:>12.2f} {busy:>19} {v['launches_per_step']:>13.0f}")
-    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    (out / "summary.txt").write_text("\n".join(_profile_lines(summary)) + "\n")
     return summary
+
+
+def _profile_lines(summary: dict) -> list:
+    """The profile's figures, a line per loop (summary.txt and the bench's table)."""
+    lines = [f"profile, {PROFILE_STEPS} steady steps each (wall under the profiler; device-busy: the union of the "
+             "device's kernels and copies):"]
+    for name, v in summary.items():
+        busy = v["device_busy_ms_per_step"]
+        lines.append(f"  {name}: wall {v['wall_ms_per_step']:.2f} ms/step, device busy "
+                     f"{'-' if busy is None else f'{busy:.2f} ms'}, {v['launches_per_step']:.0f} launches/step")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -524,7 +532,8 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
             res["lockstep"] = _lockstep_cost(recipe, corpus, steps, work,
                                              lockstep_candidate or default_lockstep_candidate(device), log)
         if profile_dir:
-            log(f"  profiles (torch.profiler, cProfile) of {PROFILE_STEPS} steady steps per loop into {profile_dir} ...")
+            log(f"  profiles (torch.profiler, cProfile) of {PROFILE_STEPS} steady steps per loop into "
+                f"{profile_dir} ...")
             cand = (lockstep_candidate or default_lockstep_candidate(device)) if lockstep else None
             res["profile"] = profile(recipe, corpus, vocab, device, precision, work, Path(profile_dir),
                                      ["sgd"] + [o for o in optimizers if o != "sgd"], cand)
@@ -680,12 +689,7 @@ def format_table(res: dict) -> str:
         for key, v in (s.get("one_time") or {}).items():
             lines.append(f"  per arm {key}: median {v['median']:.2f} s, largest {v['max']:.2f} s ({v['arms']} arms)")
     if res.get("profile"):
-        lines.append(f"profile, {PROFILE_STEPS} steady steps each (wall under the profiler; device-busy: the union "
-                     "of the device's kernels and copies):")
-        for name, v in res["profile"].items():
-            busy = v["device_busy_ms_per_step"]
-            lines.append(f"  {name}: wall {v['wall_ms_per_step']:.2f} ms/step, device busy "
-                         f"{'-' if busy is None else f'{busy:.2f} ms'}, {v['launches_per_step']:.0f} launches/step")
+        lines += _profile_lines(res["profile"])
     return "\n".join(lines)
 
 

@@ -122,16 +122,19 @@ def test_bench_hands_its_overrides_to_the_soaks_ab(tmp_path, monkeypatch):
 def test_profile_window_covers_the_steady_steps_only():
     """The profiler window opens after PROFILE_SKIP + 2 steps and closes after PROFILE_STEPS more: its wall time
     and ops are those steps', and a loop too short for it is an error, not a figure."""
-    calls = []
     w = bench._Window("cpu")
+    x, start = torch.ones(4), bench.PROFILE_SKIP + 2
     try:
-        for i in range(bench.PROFILE_SKIP + 2 + bench.PROFILE_STEPS + 5):
-            calls.append(torch.ones(4).add_(i))  # one aten op per step
+        for i in range(start + bench.PROFILE_STEPS + 5):
+            # one op per step, which says where the step lies: before the timed window, in it, after it
+            x.mul_(1) if i < start else x.add_(1) if i < start + bench.PROFILE_STEPS else x.sub_(0)
             w.step()
     finally:
         w.close()
     s = w.summary()
     assert s["steps"] == bench.PROFILE_STEPS and s["wall_ms_per_step"] > 0
+    counts = {e.key: e.count for e in w.done.key_averages()}
+    assert counts.get("aten::add_") == bench.PROFILE_STEPS and "aten::mul_" not in counts and "aten::sub_" not in counts
     assert s["device_busy_ms_per_step"] is None and s["launches_per_step"] == 0  # no device on the CPU
     assert "aten::add_" in w.table()
     short = bench._Window("cpu")
