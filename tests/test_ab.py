@@ -147,6 +147,31 @@ def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monke
     assert {process_state((j.out_dir / "pid").read_text()) for j in jobs} <= {"gone", "Z"}  # none left running
 
 
+def _stopped_from_outside(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
+    """A stand-in arm killed by a stop from outside: its parent gets SIGTERM (as `timeout` sends to the whole
+    group) and the arm dies at once with the status a fork-served arm reports when its server died first (255)."""
+    import os
+    import signal
+
+    os.kill(os.getppid(), signal.SIGTERM)
+    os._exit(255)
+
+
+def test_arms_killed_by_a_stop_from_outside_are_not_crashes(tmp_path, monkeypatch, tiny):
+    """The interruption is the run's end, not the arms': a soak stopped by `timeout` listed the 4 arms it killed as
+    CRASH ("exit code 255"), because the arms died before the loop looked at its stop flag. Now nothing is recorded
+    for them (a --resume trains them again) and the run ends as interrupted."""
+    from divergence.ab import runner
+    from divergence.train.arm import ArmSpec
+
+    monkeypatch.setattr(runner, "_child", _stopped_from_outside)
+    job = runner.Job("sgd/null-1", tmp_path / "null-1", ArmSpec("null-1", "sgd"))
+    recorded = []
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_jobs(tiny, [job], None, "cpu", workers=1, on_done=lambda key, st: recorded.append(st["status"]))
+    assert recorded == [] and runner.arm_status(job.out_dir) is None
+
+
 def _first_step_after_a_while(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
     """A stand-in arm: notes when it started, writes a metrics row (its first flush) after 1.5 s, ends 3 s later."""
     import os

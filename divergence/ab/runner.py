@@ -261,7 +261,7 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
             gate.started(job)
         time.sleep(0.05)
         for key in list(running):
-            _check(key, running, draining, recipe.ab, retire)
+            _check(key, running, draining, recipe.ab, retire, stop)
     # Every arm is on disk and none is left to start: the last arms' processes get a second in all to finish their
     # exit (their finalizers: _release_shared_objects), then are killed, not waited for up to EXIT_GRACE_S each,
     # which the verdict never needs. Since, the judging of the default A/B began 0.5 s after its last arm's result
@@ -360,7 +360,7 @@ def _context(method: str, compiled: bool = False):
     return ctx
 
 
-def _check(key: str, running: dict, draining: list, ab, retire):
+def _check(key: str, running: dict, draining: list, ab, retire, stop):
     """One running arm: still going (watched), or its process gone (its arm.json read, a CRASH if unfinished)."""
     job, proc, t0, _, _, _ = running[key]
     now = time.time()
@@ -371,6 +371,12 @@ def _check(key: str, running: dict, draining: list, ab, retire):
     kill_group(proc)  # processes the candidate left behind in the arm's group
     st = arm_status(job.out_dir) or {}
     if st.get("status") not in DONE:
+        if stop.requested:
+            # Stopped from outside while it ran: `timeout` and a cancelled CI job signal the whole process group,
+            # the fork server included, whose death kills the arms it served (their parent-death signal) before
+            # this loop looks at the flag. Their end is the interruption's, not a crash (seen: a soak stopped by
+            # `timeout` listed 4 reference and null arms as CRASH, "exit code 255", H100, 2026-11-25).
+            raise KeyboardInterrupt
         said = last_words(Path(job.out_dir) / "stdout.log")
         st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
                                    + (f": {said}" if said else ""))
