@@ -1,15 +1,11 @@
 """Training: each optimizer lowers the loss; runs are reproducible; NaN from a candidate ends the arm with NAN."""
 import json
-import shutil
 
 import pytest
 
 from divergence.recipe import load_recipe
 from divergence.train.arm import ArmSpec, run_arm
 from divergence.train.metrics import read_metrics
-
-# inductor on the CPU compiles C++ (as in tests/test_compile.py)
-needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for inductor")
 
 
 def _run(tmp_path, name, opt, kernels=None, steps=30, **over):
@@ -93,98 +89,18 @@ def test_adafactor_matches_torch_without_syncs(device):
     assert any(not torch.equal(a.detach(), s) for a, s in zip(ours, start))  # it did move the parameters
 
 
-def _graphs_compiled() -> int:
-    import torch._dynamo
-
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=needs_cxx)])
-def test_compiled_adafactor_steps_as_the_eager_one_and_compiles_once(backend):
-    """Under `train.compile` the Adafactor update is compiled: the same parameters as eager after 20 steps (weight
-    decay on, the learning rate changing as a warm-up does), and one graph per kind of parameter (factored or not)
-    for all 20: its step-dependent scalars are tensors, not numbers baked into the graph (as numbers: a new graph
-    at every step, seen before the change)."""
-    import torch
-
-    from divergence.train.adafactor import Adafactor
-
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(64, 32, generator=gen), torch.randn(32, generator=gen), torch.randn(16, 8, generator=gen)]
-    eager = [p.clone().requires_grad_() for p in start]
-    comp = [p.clone().requires_grad_() for p in start]
-    oe = Adafactor(eager, lr=1e-2, weight_decay=0.1)
-    oc = Adafactor(comp, lr=1e-2, weight_decay=0.1, compile=backend)
-    for i in range(20):
-        for o in (oe, oc):
-            o.param_groups[0]["lr"] = 1e-2 * min(1.0, (i + 1) / 5)
-        for a, b in zip(eager, comp):
-            a.grad = torch.randn(a.shape, generator=gen)
-            b.grad = a.grad.clone()
-        before = _graphs_compiled()
-        oe.step()
-        oc.step()
-        if i:
-            assert _graphs_compiled() == before, f"step {i} compiled again"
-    assert oc.update.compiled and oc.update.fallback is None
-    for a, b in zip(eager, comp):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=needs_cxx)])
-def test_compiled_step_metrics_equal_the_eager_ones(backend):
-    """The per-group gradient norms and update ratios, compiled under `train.compile`: the same values, and the
-    ratio's copy of the parameters moved on as eagerly."""
-    import torch
-
-    from divergence.train.compiled import MaybeCompiled
-    from divergence.train.module import group_norms, update_ratios
-
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(1)
-    params = [torch.randn(s, generator=gen) for s in [(40, 8), (8,), (8, 8), (16, 8)]]
-    group_of, n = torch.tensor([0, 1, 2, 2]), 5
-    prev_e = [p + 0.01 * torch.randn(p.shape, generator=gen) for p in params]
-    prev_c = [p.clone() for p in prev_e]
-    norms, ratios = MaybeCompiled(group_norms, backend), MaybeCompiled(update_ratios, backend)
-    assert torch.allclose(norms(params, group_of, n), group_norms(params, group_of, n), rtol=1e-6)
-    want = update_ratios(params, prev_e, group_of, n)
-    got = ratios(params, prev_c, group_of, n)
-    assert ratios.compiled and ratios.fallback is None
-    assert torch.allclose(got, want, rtol=1e-5) and want[1] > 0 and want[3] == 0  # group 3 has no parameter
-    assert all(torch.equal(a, b) for a, b in zip(prev_c, params))
-
-
-def test_compiled_harness_code_that_fails_to_compile_runs_eagerly_and_says_why():
-    import torch
-
-    from divergence.train.compiled import MaybeCompiled
-    from divergence.train.module import group_norms
-
-    def broken(*args):
-        raise RuntimeError("inductor: no kernel for this card (simulated)")
-
-    m = MaybeCompiled(group_norms, "eager")
-    m.run = broken  # what torch.compile's wrapper does when compiling fails
-    x = [torch.ones(3, 4)]
-    assert torch.equal(m(x, torch.tensor([0]), 2), group_norms(x, torch.tensor([0]), 2))
-    assert not m.compiled and m.fallback == "group_norms: RuntimeError: inductor: no kernel for this card (simulated)"
-    assert MaybeCompiled(group_norms, None).compiled is False
-
-
 @pytest.mark.gpu
-def test_under_compile_on_a_gpu_adamw_is_fused_and_adafactor_compiled():
+def test_under_compile_on_a_gpu_adamw_is_fused():
     import torch
 
-    from divergence.recipe import load_recipe
     from divergence.train.optim import build_optimizer
 
-    cfgs = load_recipe("h200").optimizers
-    params = [torch.nn.Parameter(torch.randn(8, 8, device="cuda"))]
-    assert build_optimizer("adamw", params, cfgs["adamw"], compile="inductor").defaults["fused"]
-    assert not build_optimizer("adamw", params, cfgs["adamw"]).defaults["fused"]
-    assert build_optimizer("adafactor", params, cfgs["adafactor"], compile="inductor").update.compiled
+    cfg = load_recipe("h200").optimizers["adamw"]
+    params = [{"params": [torch.nn.Parameter(torch.randn(8, 8, device="cuda"))]}]
+    assert build_optimizer("adamw", params, cfg, compile="inductor+cudagraphs").defaults["fused"]
+    assert not build_optimizer("adamw", params, cfg).defaults["fused"]  # eager recipes: foreach, as before
+    cpu = [{"params": [torch.nn.Parameter(torch.randn(8, 8))]}]
+    assert not build_optimizer("adamw", cpu, cfg, compile="inductor").defaults["fused"]
 
 
 # Adafactor's step in dispatched ops: a fixed number of foreach calls per group, plus what has no foreach form, per

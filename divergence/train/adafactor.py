@@ -11,26 +11,17 @@ H100 (2026-11-25, `make bench --profile`) an h200 Adafactor arm made 1,248 launc
 over all the parameters of a group, plus the few per-matrix reductions that have no foreach form (row and column
 means, the factored estimate): see `LAUNCHES` in tests/test_train.py for the count. tests/test_train.py also checks
 the result against torch.optim.Adafactor.
-
-Under `train.compile` the update is compiled (`compile=`): still 503 launches and 16.5 ms a step eager, against
-9.7 ms of device work (same H100), the foreach form stayed host-bound. Its step-dependent scalars then go in as 0-d
-tensors: as Python numbers torch.compile bakes them into the graph and compiles it again at every step.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
-from .compiled import MaybeCompiled
 
 
 class Adafactor(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
-                 weight_decay: float = 0.0, compile: Optional[str] = None):
+                 weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d,
                                       weight_decay=weight_decay))
-        self.update = MaybeCompiled(_update, compile)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -51,27 +42,9 @@ class Adafactor(torch.optim.Optimizer):
             for p in params:
                 key = (p.dtype, p.device, self.state[p]["step"], p.grad.dim() > 1)
                 by_kind.setdefault(key, []).append(p)
-            for (dtype, device, step, factored), ps in by_kind.items():
-                moments = [(self.state[p]["row_var"], self.state[p]["col_var"]) if factored
-                           else self.state[p]["variance"] for p in ps]
-                self.update(ps, [p.grad for p in ps], moments, _constants(group, dtype),
-                            self._scalars(group, step, dtype, device))
+            for (dtype, _, step, factored), ps in by_kind.items():
+                _update(ps, [p.grad for p in ps], [self.state[p] for p in ps], group, step, factored, dtype)
         return loss
-
-    def _scalars(self, group, step: int, dtype, device) -> dict:
-        """What changes from step to step: Python floats eager, 0-d tensors on the device compiled."""
-        lr, wd = group["lr"], group["weight_decay"]
-        out = {"one_minus_beta2": float(step) ** group["beta2_decay"], "rho": min(lr, 1 / float(step) ** 0.5),
-               "keep": 1 - lr * wd if wd != 0 else None}
-        if self.update.compiled:
-            out = {k: None if v is None else torch.full((), v, dtype=dtype, device=device) for k, v in out.items()}
-        return out
-
-
-def _constants(group, dtype) -> tuple:
-    """(eps1, eps2, d): fixed for a run."""
-    eps1, eps2 = group["eps"]
-    return (torch.finfo(dtype).eps if eps1 is None else eps1), eps2, group["d"]
 
 
 def _init_state(st, grad):
@@ -83,22 +56,23 @@ def _init_state(st, grad):
         st["variance"] = torch.zeros_like(grad)
 
 
-def _update(params, grads, moments, constants, scalars):
-    """One Adafactor step of `params` (all at one step count), torch's order of operations. `moments`: per parameter
-    (row_var, col_var) where factored (every one or none), else its variance; `scalars`: `Adafactor._scalars`."""
-    e1, eps2, d = constants
-    one_minus_beta2, rho, keep = scalars["one_minus_beta2"], scalars["rho"], scalars["keep"]
-    factored = isinstance(moments[0], tuple)
+def _update(params, grads, states, group, step: int, factored: bool, dtype):
+    """One Adafactor step of `params` (all at step `step`, all factored or none), torch's order of operations."""
+    lr, wd, d, decay = group["lr"], group["weight_decay"], group["d"], group["beta2_decay"]
+    eps1, eps2 = group["eps"]
+    e1 = torch.finfo(dtype).eps if eps1 is None else eps1
+    one_minus_beta2 = float(step) ** decay
+    rho = min(lr, 1 / float(step) ** 0.5)
     roots = [p.numel() ** 0.5 for p in params]
     # alpha = max(eps2, ||p|| / sqrt(n)) * rho, before the weight decay; a 0-d tensor per parameter
     alphas = torch._foreach_norm(params)
     torch._foreach_div_(alphas, roots)
     torch._foreach_clamp_min_(alphas, eps2)
     torch._foreach_mul_(alphas, rho)
-    if keep is not None:  # weight decay
-        torch._foreach_mul_(params, keep)
+    if wd != 0:
+        torch._foreach_mul_(params, 1 - lr * wd)
     if factored:
-        rows, cols = [m[0] for m in moments], [m[1] for m in moments]
+        rows, cols = [st["row_var"] for st in states], [st["col_var"] for st in states]
         row_means = [torch.norm(g, dim=-1, keepdim=True) for g in grads]  # (g * g).mean(-1), as torch computes it
         torch._foreach_mul_(row_means, row_means)
         torch._foreach_div_(row_means, [g.size(-1) for g in grads])
@@ -112,7 +86,7 @@ def _update(params, grads, moments, constants, scalars):
         torch._foreach_clamp_min_(row_var_means, e1)
         torch._foreach_div_(updates, row_var_means)
     else:
-        variances = moments
+        variances = [st["variance"] for st in states]
         torch._foreach_lerp_(variances, torch._foreach_mul(grads, grads), one_minus_beta2)
         updates = torch._foreach_mul(variances, 1.0)  # a copy: the update must not write into the variance
     torch._foreach_clamp_min_(updates, e1 * e1)

@@ -105,9 +105,6 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     rec.t["fit_called"] = time.perf_counter()
     _fit(trainer, module, rec, recipe, batches, device, info)
     info["wall_s"] = time.time() - t0
-    fallbacks = module.compile_fallbacks()
-    if fallbacks:  # compiled harness code that failed and ran eagerly instead (train/compiled.py)
-        info["compile_fallback"] = fallbacks
     _add_rates(info, recipe, module, rec, device)
     if lockstep is not None:
         info["lockstep"] = lockstep.summary()

@@ -7,25 +7,8 @@ import torch
 
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs
-from .compiled import MaybeCompiled
 from .optim import build_optimizer, lr_lambda
 from .width import param_groups
-
-
-def group_norms(tensors, group_of: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """(n_groups,) L2 norms of `tensors` by parameter group, one fused pass (foreach) rather than a loop."""
-    norms = torch._foreach_norm([t.float() for t in tensors])
-    sq = torch.zeros(n_groups, device=norms[0].device)
-    sq.index_add_(0, group_of, torch.stack(norms) ** 2)
-    return sq.sqrt()
-
-
-def update_ratios(params, prev, group_of: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Per group ||params - prev|| / ||prev||, the update-to-weight ratio of the step just taken; then prev <- params."""
-    deltas = torch._foreach_sub(params, prev)
-    ratio = group_norms(deltas, group_of, n_groups) / group_norms(prev, group_of, n_groups).clamp_min(1e-30)
-    torch._foreach_copy_(prev, params)
-    return ratio
 
 
 class ArmModule(pl.LightningModule):
@@ -41,23 +24,20 @@ class ArmModule(pl.LightningModule):
         groups = [PARAM_GROUPS.index(self.model.param_group(n)) for n, _ in self.model.named_parameters()]
         self.register_buffer("group_of", torch.tensor(groups), persistent=False)  # moves to the device with the module
         self.prev = None  # parameter copies for the update-to-weight ratio
-        # The step's metrics, under `train.compile` as two compiled graphs: eager they were about 60 small ops per
-        # step, each a launch and its host time.
-        self.grad_norms = MaybeCompiled(group_norms, recipe.train.compile)
-        self.update_ratios = MaybeCompiled(update_ratios, recipe.train.compile)
 
     def configure_optimizers(self):
         cfg = self.recipe.optimizers[self.opt_name]
         opt = build_optimizer(self.opt_name, param_groups(self.model, cfg.lr, self.recipe.model), cfg,
                               compile=self.recipe.train.compile)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, self.recipe.train.steps))
-        self.built_optimizer = opt
         return [opt], [sched]
 
-    def compile_fallbacks(self) -> list:
-        """Why compiled harness code was given up for eager (arm.json `compile_fallback`); empty when it was not."""
-        parts = [self.grad_norms, self.update_ratios, getattr(getattr(self, "built_optimizer", None), "update", None)]
-        return [p.fallback for p in parts if isinstance(p, MaybeCompiled) and p.fallback]
+    def _group_norms(self, tensors) -> torch.Tensor:
+        """(len(PARAM_GROUPS),) L2 norms, one fused pass (foreach) rather than a loop of small kernels."""
+        norms = torch._foreach_norm([t.float() for t in tensors])
+        sq = torch.zeros(len(PARAM_GROUPS), device=norms[0].device)
+        sq.index_add_(0, self.group_of, torch.stack(norms) ** 2)
+        return sq.sqrt()
 
     def training_step(self, batch, _):
         x, y = batch
@@ -74,14 +54,16 @@ class ArmModule(pl.LightningModule):
         loss = self.model(x, y)
         self.manual_backward(loss)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        gnorm = self.grad_norms(grads, self.group_of, len(PARAM_GROUPS))
+        gnorm = self._group_norms(grads)
         if self.recipe.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.recipe.train.grad_clip)
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
         with torch.no_grad():
-            ratio = self.update_ratios([p.detach() for p in params], self.prev, self.group_of, len(PARAM_GROUPS))
+            deltas = torch._foreach_sub([p.detach() for p in params], self.prev)
+            ratio = self._group_norms(deltas) / self._group_norms(self.prev).clamp_min(1e-30)
+            torch._foreach_copy_(self.prev, [p.detach() for p in params])
         # A copy: under CUDA graphs the loss lives in the graph's memory, rewritten by the next replay, and the
         # recorder holds it until its next flush.
         self.sink.after_step(self, step, loss.detach().clone() if self.cudagraphs else loss.detach(), gnorm, ratio,

@@ -1,8 +1,12 @@
 """A closed table of optimizers: name -> factory (torchtitan's optimizer factory). Unknown names are rejected.
 
-Under `train.compile` (`compile=`, the GPU recipes) the step is made cheap to launch: AdamW fused into one kernel
-per dtype on CUDA (torch's `fused=True`; foreach it makes a dozen passes over every parameter), our Adafactor
-compiled. Every arm of a run builds its optimizer the same way, so the arms still differ only in their kernels.
+Under `train.compile` on CUDA (the GPU recipes) AdamW is torch's fused one (`fused=True`: one kernel for all the
+parameters of a dtype, where foreach makes a dozen passes). Every arm of a run builds its optimizer the same way, so
+the arms still differ only in their kernels. Measured in README.md (On one H200, 2026-11-25). Compiling our
+Adafactor's update and the step's metrics with inductor was tried the same day and measured worse: inductor split
+the foreach norms into a kernel per tensor (202 launches per SGD step against 76) and SGD's step went from 8.02 to
+8.30 ms; the compiled Adafactor update ran op by op in the profile (its compilation given up) and its step went
+from 10.53 to 12.51 ms (one H200, `make bench`).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def _adamw(params, cfg, compile):
 def _adafactor(params, cfg, compile):
     from .adafactor import Adafactor  # torch.optim.Adafactor's algorithm without its per-parameter syncs
 
-    return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile=compile)
+    return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw, "adafactor": _adafactor}
