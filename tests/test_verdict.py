@@ -239,6 +239,25 @@ def test_jsonable_writes_non_finite_as_strings(tmp_path):
     assert _strict((tmp_path / "x.json").read_text()) == {"a": "inf", "b": ["nan", "-inf"], "c": [0, 1]}
 
 
+def test_a_lockstep_record_with_an_infinite_median_is_judged_and_reported_after_its_round_trip(tmp_path):
+    """A kernel wrong on most steps can have an infinite median error ratio. arm.json keeps it as "inf" (strict
+    JSON), and what reads the arm back gets a float again: the verdict and the report's words format it (the
+    8-candidate soak's judging crashed on the string, H200, 2026-11-25)."""
+    from divergence.ab.runner import arm_status
+    from divergence.report import words
+    from divergence.train.metrics import write_json
+
+    ls = dict(GOOD_LS, wrong=True, first_wrong_step=0, wrong_steps=40,
+              record={"median_ratio": math.inf, "limit": 1.5, "checked": 40, "wrong": True, "first_step": 9},
+              worst_err_candidate=math.nan, worst_err_reference=1e-3, worst_step=3)
+    write_json(tmp_path / "arm.json", {"arm": "candidate", "status": "OK", "lockstep": ls})
+    back = arm_status(tmp_path)
+    assert back["lockstep"]["record"]["median_ratio"] == math.inf
+    sig = V.lockstep_signal({"sgd": _pass(back["lockstep"])})
+    assert sig["verdict"] == "FINDING" and "median error infx" in sig["reason"], sig
+    assert "median error infx" in words.lockstep_sentence(back["lockstep"])
+
+
 def test_every_json_file_of_a_run_parses_strictly(tmp_path):
     """A candidate that turns NaN puts non-finite numbers into metrics, distances and the verdict: every .json
     and .jsonl file of the run must still parse with a parser that rejects NaN and Infinity."""

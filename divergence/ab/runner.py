@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ..errors import RecipeError
-from ..train.metrics import write_json
+from ..train.metrics import read_json, write_json
 from .health import out_of_memory
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
@@ -65,7 +65,7 @@ def arm_status(out_dir: Path):
     if not p.exists():
         return None
     try:
-        return json.loads(p.read_text())
+        return read_json(p)
     except json.JSONDecodeError:
         return None
 

@@ -16,6 +16,7 @@ import numpy as np
 from ..detect import distances as compare
 from ..detect.buckets import BUCKETS, bucket_rows
 from ..errors import UserError
+from ..train.metrics import read_json
 
 
 @dataclass
@@ -110,7 +111,7 @@ def load_results(results_dir, files=None) -> Results:
         for sub in sorted((d / opt).glob("*/arm.json"), key=lambda p: _arm_order(p.parent.name)):
             # compare's parse of the file: the verdict in this process already read it
             rows = files.rows(sub.parent / "metrics.jsonl") if (sub.parent / "metrics.jsonl").is_file() else []
-            found[sub.parent.name] = Arm(opt, sub.parent.name, sub.parent, json.loads(sub.read_text()), rows)
+            found[sub.parent.name] = Arm(opt, sub.parent.name, sub.parent, read_json(sub), rows)
         if found:
             arms[opt] = found
     return Results(d, plan, verdict, drift, arms, files)

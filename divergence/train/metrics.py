@@ -46,6 +46,22 @@ def _unclean(v):
     return float(v) if v in ("nan", "inf", "-inf") else v
 
 
+def from_jsonable(obj):
+    """The inverse of `jsonable`: "nan"/"inf"/"-inf" back to floats, in dicts and lists at any depth. Whatever reads
+    a record back to compute or format with it uses this (a lockstep record's median ratio read back as the string
+    "inf" crashed the 8-candidate soak's verdict, H200, 2026-11-25)."""
+    if isinstance(obj, dict):
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    return _unclean(obj) if isinstance(obj, str) else obj
+
+
+def read_json(path):
+    """A JSON file this project wrote, its non-finite numbers floats again."""
+    return from_jsonable(json.loads(Path(path).read_text()))
+
+
 class MetricsWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
