@@ -86,3 +86,42 @@ def test_soak_exit_code_follows_its_cells_exit_codes():
     assert soak_exit_code([0, 3]) == 3  # weights moved only: a finding, not a pass (was 1, whatever the kind)
     assert soak_exit_code([2, 3]) == 3 and soak_exit_code([0, 2]) == 2  # INCONCLUSIVE was 1 before
     assert soak_exit_code([3, 2, 1, 0]) == 1
+
+
+def test_a_soaks_candidates_load_at_once_and_the_first_failure_in_file_order_is_the_error(tmp_path, monkeypatch):
+    """Each candidate loads in a worker process of its own before anything trains; the loads run at once (one
+    after another they were 33 s of the 8-candidate soak on the H200). Three loads that each wait for the other
+    two: in turn they would never meet. A failing load is still the first failing candidate's error."""
+    import os
+    import threading
+
+    import pytest
+
+    from divergence.ab.soak import _plan_cells, load_soak
+    from divergence.detect.probe import isolate
+    from divergence.errors import CandidateError
+
+    p = tmp_path / "three.yaml"
+    p.write_text("recipe: tiny\ncandidates:\n" + "".join(
+        f"  - {{kernel: fused_embed_rmsnorm, candidate: 'zoo:{n}'}}\n"
+        for n in ("embed_sort_segment", "embed_fp64_accum", "embed_bf16_accum")))
+    soak = load_soak(p)
+    meet = threading.Barrier(3, timeout=30)
+
+    def together(slot, spec, limits=None):
+        meet.wait()  # BrokenBarrierError after 30 s if the loads ran one at a time
+        return {"name": spec, "spec": spec}
+
+    monkeypatch.setattr(isolate, "load_meta", together)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # as many at once as there are cores, up to MAX_LOADS
+    cells, jobs = _plan_cells(soak, tmp_path / "out", ["sgd"])
+    assert [c[1].name for c in cells] == ["zoo:embed_sort_segment", "zoo:embed_fp64_accum", "zoo:embed_bf16_accum"]
+
+    def second_and_third_fail(slot, spec, limits=None):
+        if spec != "zoo:embed_sort_segment":
+            raise CandidateError(f"{spec}: does not load")
+        return {"name": spec}
+
+    monkeypatch.setattr(isolate, "load_meta", second_and_third_fail)
+    with pytest.raises(CandidateError, match="embed_fp64_accum: does not load"):
+        _plan_cells(soak, tmp_path / "out2", ["sgd"])

@@ -29,8 +29,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import RecipeError, UserError
@@ -38,6 +40,8 @@ from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, read_yaml_mapping
 from ..files import write_atomic
 from ..train.metrics import write_json
+
+MAX_LOADS = 8  # candidates loading at once, each in its own worker process
 
 KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm"}
 BACKENDS = ("local", "ray")
@@ -202,9 +206,15 @@ def _plan_cells(soak: dict, out: Path, opts) -> tuple:
     for i, cand in enumerate(soak["candidates"]):
         if cand["kernel"] not in SLOTS:
             raise UserError(f"{soak['path']}: candidates[{i}].kernel: unknown slot {cand['kernel']!r}")
-        # Every candidate loads before anything trains, each in a child process (probe/isolate.py): the soak's
-        # own process never runs candidate code.
-        impl = SimpleNamespace(**load_meta(cand["kernel"], cand["candidate"]))
+    # Every candidate loads before anything trains, each in a child process (probe/isolate.py): the soak's own
+    # process never runs candidate code. All at once: on a GPU machine each load is a spawned worker importing
+    # torch, and one after another the 8-candidate soak spent 33 s before its first arm (H200, 2026-11-25).
+    # A failing load raises as it did in turn: the first failing candidate in the file's order.
+    cands = soak["candidates"]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(cands), os.cpu_count() or 1, MAX_LOADS))) as pool:
+        metas = list(pool.map(lambda c: load_meta(c["kernel"], c["candidate"]), cands))
+    for i, (cand, meta) in enumerate(zip(cands, metas)):
+        impl = SimpleNamespace(**meta)
         label = _label(i, cand)
         for seed in soak["seeds"]:
             recipe, cell_dir, cell_jobs = _plan_cell(soak, out, opts, cand, seed, label)
