@@ -54,10 +54,21 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == 4
     printed = capsys.readouterr().out
     assert "overall" in printed and "s training arms" in printed.splitlines()[-1]
-    assert set(json.loads((out / "soak.json").read_text())["timings"]) == {"arms_s", "judge_publish_s"}
+    timings = json.loads((out / "soak.json").read_text())["timings"]
+    assert set(timings) == {"arms_s", "judge_publish_s", "cells_judged_while_arms_trained"}
     n_runs = check_wandb_groups(out, rows)
 
     arms = sorted(out.glob("*/seed-*/*/*/arm.json"))
+    # The shared arms train first, each is linked where it is shared as soon as it is done, and each cell is judged
+    # once its arms are all in, while the others train: a cell whose reference and nulls were trained for another
+    # candidate has its verdict before the soak's last arm is trained (before, such a cell waited for the last arm).
+    assert timings["cells_judged_while_arms_trained"] >= 1
+    trained, linked_cells = [], set()
+    for p in arms:
+        (linked_cells.add(p.parents[2]) if "shared_from" in json.loads(p.read_text()) else trained.append(p))
+    assert linked_cells
+    assert (min((c / "verdict.json").stat().st_mtime_ns for c in linked_cells)
+            < max(p.stat().st_mtime_ns for p in trained))
     assert len(arms) == 2 * 2 * 2 * 4
     stamps = {p: p.stat().st_mtime_ns for p in arms}
     victim = arms[5]

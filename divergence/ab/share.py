@@ -181,10 +181,16 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
     source = _from_cache(groups, cache, fresh, keep_or_train)
     counts["trained"] = len(todo)
     _log_plan(jobs, todo, groups, source, cache, fresh, status)
-    if todo:
-        results.update(backend(todo, on_done))
+    owners = {group[0].key: key for key, (_, group) in groups.items() if key not in source}
+    # The shared arms train first, and each is linked into the jobs that share it as soon as it finishes: a soak's
+    # cells then complete one by one while the others train, and are judged meanwhile (ab/soak.py). Trained last,
+    # as before, every cell completed with the last arm and the 8-candidate soak judged for 47 s after its 399 s
+    # of arms (H200, 2026-11-25).
+    todo.sort(key=lambda job: job.key not in owners)  # stable: otherwise in plan order
     trained = {job.key for job in todo}
-    for key, (ident, group) in groups.items():
+
+    def share(key):
+        ident, group = groups[key]
         if key not in source:
             owner = group[0]
             if owner.key in trained:  # trained just now: its arm.json is new
@@ -192,11 +198,25 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
             if not _finished(status[owner.key]):  # e.g. a Ray task that died: no arm folder to share; its answer
                 for job in group[1:]:  # stands for all
                     results[job.key] = dict(results.get(owner.key) or {})
-                continue
+                return
             if cache.root is not None and (fresh or cache.get(key) is None):
                 cache.put(key, Path(owner.out_dir), ident, status[owner.key])
             source[key] = (Path(owner.out_dir), {"arm": str(Path(owner.out_dir).resolve()), "key": key})
         _link_group(group, source[key], status, results, counts, on_done)
+
+    def arrived(key, st):
+        results[key] = st
+        if on_done:
+            on_done(key, st)
+        if key in owners:
+            share(owners.pop(key))
+
+    for key in list(source):  # from the cache: linked before anything trains
+        share(key)
+    if todo:
+        results.update(backend(todo, arrived))
+    for key in list(owners.values()):  # not shared yet: an owner kept from an earlier attempt, or one never reported
+        share(key)
     return {job.key: results[job.key] for job in jobs if job.key in results}, counts
 
 

@@ -117,6 +117,7 @@ def cmd_soak(args, publish=None) -> int:
     from .compilecache import use_compile_cache
     from .runner import start_server_early
     from ..data import load_corpus
+    from ..detect.distances import ArmFiles
     from ..recipe import load_recipe
     from ..train.arm import model_vocab, resolve_device
 
@@ -140,10 +141,19 @@ def cmd_soak(args, publish=None) -> int:
     print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
           f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
     t0, ran = time.time(), set()
-    arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran)
+    files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
+    judging = _CellsAsTheyComplete(cells, jobs, out, lambda cell, arms: _judge_cell(
+        args, publish, cell, arms, out, opts, corpus, vocab, ran, files))
+    arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran,
+                              judging.arrived)
     t_judge = time.time()
-    rows, logged = _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran)
-    timings = {"arms_s": round(t_judge - t0, 2), "judge_publish_s": round(time.time() - t_judge, 2)}
+    judged = dict(judging.judged)
+    for i, cell in enumerate(cells):  # the rest: cells with arms kept from an earlier attempt, or whose judging
+        if i not in judged:           # failed while arms trained (it fails again here, where it stops nothing)
+            judged[i] = _judge_cell(args, publish, cell, arms, out, opts, corpus, vocab, ran, files)
+    rows, logged = [judged[i][0] for i in range(len(cells))], sum(judged[i][1] for i in range(len(cells)))
+    timings = {"arms_s": round(t_judge - t0, 2), "judge_publish_s": round(time.time() - t_judge, 2),
+               "cells_judged_while_arms_trained": len(judging.judged)}
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
                                    "wall_s": time.time() - t0, "timings": timings})
     if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
@@ -151,8 +161,9 @@ def cmd_soak(args, publish=None) -> int:
         publish.log_soak_table(out, rows, meta)
     _write_csv(out / "soak.csv", rows)
     _print_rows(rows, opts)
-    print(f"time: {time.time() - t0:.0f} s from the first arm: {timings['arms_s']:.0f} s training arms, "
-          f"{timings['judge_publish_s']:.0f} s judging and publishing the cells", flush=True)
+    print(f"time: {time.time() - t0:.0f} s from the first arm: {timings['arms_s']:.0f} s training arms (and judging "
+          f"{len(judging.judged)} of {len(cells)} cells meanwhile), {timings['judge_publish_s']:.0f} s judging and "
+          f"publishing the rest", flush=True)
     return soak_exit_code([r["exit_code"] for r in rows])
 
 
@@ -243,8 +254,10 @@ def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str) -
     return recipe, cell_dir, cell_jobs
 
 
-def _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran: set) -> tuple:
-    """(arms, counts) from ab/share.run_shared over the chosen backend; `ran` gets each cell that trained an arm."""
+def _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran: set,
+               then=None) -> tuple:
+    """(arms, counts) from ab/share.run_shared over the chosen backend; `ran` gets each cell that trained an arm;
+    `then(key, info)` is called after each arm's line."""
     from .runner import run_jobs
     from .share import ArmsCache, run_shared
 
@@ -252,8 +265,10 @@ def _train_all(args, base, jobs, out, corpus, device, workers, backend, address,
 
     def on_done(key, st):
         done.append(key)
-        ran.add(key.rsplit("/", 2)[0])  # the cell "<label>/seed-<n>": its wandb runs are logged (again)
+        ran.add(_cell_of(key))  # its wandb runs are logged (again)
         print(f"  [{len(done)}/{len(jobs)}] {key}: {st.get('status')} ({time.time() - t0:.0f} s)", flush=True)
+        if then:
+            then(key, st)
 
     if backend == "ray":
         from .ray_runner import run_jobs_ray
@@ -268,24 +283,51 @@ def _train_all(args, base, jobs, out, corpus, device, workers, backend, address,
                       fresh=getattr(args, "fresh", False), on_done=on_done)
 
 
-def _judge_cells(args, publish, cells, arms, out, opts, corpus, vocab, ran: set) -> tuple:
-    """(a table row per cell, wandb runs logged): each cell judged, its verdict.json written and published."""
-    from ..detect.distances import ArmFiles
+def _cell_of(key: str) -> str:
+    """An arm's cell, "<label>/seed-<n>", from its job key "<label>/seed-<n>/<optimizer>/<arm>"."""
+    return key.rsplit("/", 2)[0]
+
+
+class _CellsAsTheyComplete:
+    """Judges each cell as soon as the last of its arms arrives, while the other arms train: `arrived(key, info)`
+    is the training's per-arm callback. The judging runs in the scheduler's loop, which meanwhile starts no arm;
+    the arms already running go on, and the GPU, which 2 or more arms keep busy, hardly notices. A judging that
+    fails here is left for after the last arm (cmd_soak), where its error stops no training."""
+
+    def __init__(self, cells, jobs, out: Path, judge):
+        self.cells, self.judge, self.judged, self.arms = cells, judge, {}, {}
+        self.index = {str(cell[4].relative_to(out)): i for i, cell in enumerate(cells)}
+        self.waiting = {}  # cell index -> keys of its arms not arrived yet
+        for job in jobs:
+            self.waiting.setdefault(self.index[_cell_of(job.key)], set()).add(job.key)
+
+    def arrived(self, key: str, st: dict):
+        self.arms[key] = st
+        i = self.index[_cell_of(key)]
+        self.waiting[i].discard(key)
+        if not self.waiting[i]:
+            try:
+                self.judged[i] = self.judge(self.cells[i], self.arms)
+            except Exception:  # judged again after the last arm (see the class's doc)
+                pass
+
+
+def _judge_cell(args, publish, cell, arms, out, opts, corpus, vocab, ran: set, files) -> tuple:
+    """(its table row, wandb runs logged): one cell judged, its verdict.json written and published."""
     from .run import judge
 
-    rows, logged = [], 0
-    files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
-    for cand, impl, seed, recipe, cell_dir, label in cells:
-        prefix = f"{cell_dir.relative_to(out)}/"
-        cell_arms = {k[len(prefix):]: v for k, v in arms.items() if k.startswith(prefix)}
-        result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab, files=files)
-        write_json(cell_dir / "verdict.json", result)
-        if publish and not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
-            logged += publish.log_cell(cell_dir, result, label, seed, out.name, files)
-        rows.append({"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed,
-                     "verdict": result["verdict"], "case": result["case"], "exit_code": result["exit_code"],
-                     **{opt: result["optimizers"][opt]["verdict"] for opt in opts}})
-    return rows, logged
+    cand, impl, seed, recipe, cell_dir, label = cell
+    prefix = f"{cell_dir.relative_to(out)}/"
+    cell_arms = {k[len(prefix):]: v for k, v in arms.items() if k.startswith(prefix)}
+    result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab, files=files)
+    write_json(cell_dir / "verdict.json", result)
+    logged = 0
+    if publish and not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
+        logged = publish.log_cell(cell_dir, result, label, seed, out.name, files)
+    row = {"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed, "verdict": result["verdict"],
+           "case": result["case"], "exit_code": result["exit_code"],
+           **{opt: result["optimizers"][opt]["verdict"] for opt in opts}}
+    return row, logged
 
 
 def _write_csv(path: Path, rows: list):
