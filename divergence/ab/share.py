@@ -182,11 +182,12 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
     counts["trained"] = len(todo)
     _log_plan(jobs, todo, groups, source, cache, fresh, status)
     owners = {group[0].key: key for key, (_, group) in groups.items() if key not in source}
-    # The shared arms train first, and each is linked into the jobs that share it as soon as it finishes: a soak's
-    # cells then complete one by one while the others train, and are judged meanwhile (ab/soak.py). Trained last,
-    # as before, every cell completed with the last arm and the 8-candidate soak judged for 47 s after its 399 s
-    # of arms (H200, 2026-11-25).
-    todo.sort(key=lambda job: job.key not in owners)  # stable: otherwise in plan order
+    # The arms shared with other jobs train first, and each is linked into those jobs as soon as it finishes: a
+    # soak's cells then complete one by one while the others train, and are judged meanwhile (ab/soak.py). Before,
+    # they trained last and were linked after the last arm, so every cell completed with the soak's last arm: the
+    # 8-candidate soak judged for 47 s after its 399 s of arms (H200, 2026-11-25). An A/B shares nothing: its order
+    # stays the plan's (its candidate arms, slower by the lockstep check, first).
+    todo.sort(key=lambda job: not (job.key in owners and len(groups[owners[job.key]][1]) > 1))  # stable
     trained = {job.key for job in todo}
 
     def share(key):

@@ -8,9 +8,9 @@ once for all candidates (or from the arms cache: ab/share.py), for one of two ba
   runs it through the same local runner on whichever node Ray picks. The results folder must be on a filesystem
   every node sees at the same path (one host, or a shared mount); Ray is an extra: pip install '.[ray]'.
 A killed soak continues with `--resume DIR` (either backend) and repeats no finished arm. Each (candidate, seed)
-gets the same `verdict.json` (and `plan.json`) as `divergence ab`, logged to wandb with one group per candidate
-(unless --no-wandb); the overall table is printed at the end (then where the time went), written as `soak.json` and
-`soak.csv` and logged as one more wandb run.
+gets the same `verdict.json` (and `plan.json`) as `divergence ab`, as soon as its arms are in (the shared arms train
+first), logged to wandb with one group per candidate (unless --no-wandb); the overall table is printed at the end
+(then where the time went), written as `soak.json` and `soak.csv` and logged as one more wandb run.
 
 SOAK.yaml:
     name: nightly                      # used in the results folder's name
