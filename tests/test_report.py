@@ -108,6 +108,20 @@ def test_report_command_rewrites_the_page(results, tmp_path, capsys):
         assert (folder / s).stat().st_size > 10_000
 
 
+def test_report_of_a_run_whose_lockstep_median_is_infinite(results, tmp_path, capsys):
+    """verdict.json keeps a candidate's infinite median error ratio as "inf" (strict JSON); the report reads it
+    back as a number and says it (it crashed on the string: seen on the cell of a NaN-making kernel, H200)."""
+    from divergence.train.metrics import write_json
+
+    folder = shutil.copytree(results, tmp_path / "r", ignore=shutil.ignore_patterns("wandb"))
+    v = json.loads((folder / "verdict.json").read_text())
+    v["optimizers"]["sgd"]["lockstep"]["record"]["median_ratio"] = float("inf")
+    write_json(folder / "verdict.json", v)
+    assert '"median_ratio": "inf"' in (folder / "verdict.json").read_text()
+    assert main(["report", str(folder)]) == 0, capsys.readouterr().err
+    assert "median error infx" in (folder / "report.html").read_text()
+
+
 def test_report_of_a_folder_that_is_not_a_results_folder(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no plan.json" in capsys.readouterr().err

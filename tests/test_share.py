@@ -139,6 +139,40 @@ def test_resume_repeats_no_arm_shared_or_not(runs, tmp_path):
         [r["verdict"] for r in json.loads((root / "soak" / "soak.json").read_text())["rows"]]
 
 
+def test_a_link_that_fails_while_arms_train_is_made_again_after_the_last_arm(runs, tmp_path, monkeypatch):
+    """A shared arm is linked into its followers as soon as it is done, inside the training's loop; a link that
+    fails there (disk full, say) must not end the arms still running: it is made again after the last arm. Here
+    the first link of a resumed soak fails once; the soak ends as the uninterrupted one did."""
+    import shutil
+
+    from divergence.ab import share
+
+    root, _ = runs
+    out = tmp_path / "soak"
+    shutil.copytree(root / "soak", out, symlinks=True)
+    before = arm_infos(out)
+    owner = next(k for k, st in before.items() if k.endswith("null-1") and "shared_from" not in st)
+    followers = [k for k, st in before.items() if k.endswith("null-1") and "shared_from" in st]
+    for k in [owner] + followers:
+        (out / k / "arm.json").unlink()
+    real, calls = share.materialize, []
+
+    def fails_once(*a, **kw):
+        calls.append(a)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device (simulated)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(share, "materialize", fails_once)
+    assert main(["soak", "--resume", str(out), "--no-wandb"]) == 1
+    soak = json.loads((out / "soak.json").read_text())
+    assert soak["arms"]["trained"] == 1 and soak["arms"]["shared"] == len(followers) == 2
+    assert len(calls) == 3  # the failed link, then both followers after the last arm
+    assert all("shared_from" in json.loads((out / k / "arm.json").read_text()) for k in followers)
+    assert [r["verdict"] for r in soak["rows"]] == \
+        [r["verdict"] for r in json.loads((root / "soak" / "soak.json").read_text())["rows"]]
+
+
 def test_resume_trains_a_crashed_harness_arm_again_and_keeps_a_crashed_candidate(runs, tmp_path):
     """A reference or null arm that crashed failed for the machine's reasons: resume trains it again. A candidate's
     crash is the finding: resume keeps it, unless it ran out of GPU memory (18 arms at once on an 80 GiB H100,

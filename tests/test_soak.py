@@ -124,9 +124,25 @@ def test_a_soaks_candidates_load_at_once_and_the_first_failure_in_file_order_is_
         return {"name": spec, "spec": spec}
 
     monkeypatch.setattr(isolate, "load_meta", together)
+    monkeypatch.setattr(isolate, "loads_fork", lambda: False)  # loads spawn, as on a GPU machine
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # as many at once as there are cores, up to MAX_LOADS
     cells, jobs = _plan_cells(soak, tmp_path / "out", ["sgd"])
     assert [c[1].name for c in cells] == ["zoo:embed_sort_segment", "zoo:embed_fp64_accum", "zoo:embed_bf16_accum"]
+
+    # Where loads fork (no CUDA: 0.04 s each), one at a time: a fork beside other threads risks a deadlocked child.
+    busy, most = [0], [0]
+
+    def counted(slot, spec, limits=None):
+        busy[0] += 1
+        most[0] = max(most[0], busy[0])
+        threading.Event().wait(0.2)
+        busy[0] -= 1
+        return {"name": spec}
+
+    monkeypatch.setattr(isolate, "load_meta", counted)
+    monkeypatch.setattr(isolate, "loads_fork", lambda: True)
+    _plan_cells(soak, tmp_path / "out1", ["sgd"])
+    assert most[0] == 1
 
     def second_and_third_fail(slot, spec, limits=None):
         if spec != "zoo:embed_sort_segment":

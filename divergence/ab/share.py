@@ -210,14 +210,18 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
         if on_done:
             on_done(key, st)
         if key in owners:
-            share(owners.pop(key))
+            group_key = owners.pop(key)
+            try:
+                share(group_key)
+            except Exception:  # a link or the cache failed (disk full, ...): left for after the last arm, where its
+                owners[key] = group_key  # error stops no training (raised here it would end the running arms)
 
     for key in list(source):  # from the cache: linked before anything trains
         share(key)
     if todo:
         results.update(backend(todo, arrived))
-    for key in list(owners.values()):  # not shared yet: an owner kept from an earlier attempt, or one never reported
-        share(key)
+    for key in list(owners.values()):  # not shared yet: an owner kept from an earlier attempt, one never reported,
+        share(key)                     # or one whose sharing failed while arms trained
     return {job.key: results[job.key] for job in jobs if job.key in results}, counts
 
 

@@ -146,14 +146,16 @@ def cmd_soak(args, publish=None) -> int:
         args, publish, cell, arms, out, opts, corpus, vocab, ran, files))
     arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran,
                               judging.arrived)
-    t_judge = time.time()
+    # The arms' end is the last arm's arrival: the judging of its cell, in its callback, is after it.
+    t_judge = judging.last_arrival or time.time()
     judged = dict(judging.judged)
     for i, cell in enumerate(cells):  # the rest: cells with arms kept from an earlier attempt, or whose judging
         if i not in judged:           # failed while arms trained (it fails again here, where it stops nothing)
             judged[i] = _judge_cell(args, publish, cell, arms, out, opts, corpus, vocab, ran, files)
     rows, logged = [judged[i][0] for i in range(len(cells))], sum(judged[i][1] for i in range(len(cells)))
+    meanwhile = sum(judging.started[i] < t_judge for i in judging.judged)
     timings = {"arms_s": round(t_judge - t0, 2), "judge_publish_s": round(time.time() - t_judge, 2),
-               "cells_judged_while_arms_trained": len(judging.judged)}
+               "cells_judged_while_arms_trained": meanwhile}
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,
                                    "wall_s": time.time() - t0, "timings": timings})
     if publish and (logged or (not args.no_wandb and not (out / "wandb.json").exists())):
@@ -162,8 +164,8 @@ def cmd_soak(args, publish=None) -> int:
     _write_csv(out / "soak.csv", rows)
     _print_rows(rows, opts)
     print(f"time: {time.time() - t0:.0f} s from the first arm: {timings['arms_s']:.0f} s training arms (and judging "
-          f"{len(judging.judged)} of {len(cells)} cells meanwhile), {timings['judge_publish_s']:.0f} s judging and "
-          f"publishing the rest", flush=True)
+          f"{meanwhile} of {len(cells)} cells meanwhile), {timings['judge_publish_s']:.0f} s judging and publishing "
+          f"the rest after the last arm", flush=True)
     return soak_exit_code([r["exit_code"] for r in rows])
 
 
@@ -210,7 +212,7 @@ def _plan_cells(soak: dict, out: Path, opts) -> tuple:
     """([(candidate, impl, seed, recipe, cell folder, label)], [every arm's job, keyed by its cell])."""
     from types import SimpleNamespace
 
-    from ..detect.probe.isolate import load_meta
+    from ..detect.probe.isolate import load_meta, loads_fork
     from ..slots import SLOTS
 
     cells, jobs = [], []
@@ -221,9 +223,15 @@ def _plan_cells(soak: dict, out: Path, opts) -> tuple:
     # process never runs candidate code. All at once: on a GPU machine each load is a spawned worker importing
     # torch, and one after another the 8-candidate soak spent 33 s before its first arm (H200, 2026-11-25).
     # A failing load raises as it did in turn: the first failing candidate in the file's order.
+    # Only where loads spawn: a forked load (no CUDA, 0.04 s) gains nothing at once, and forking from a process
+    # whose other threads hold locks risks a child that deadlocks.
     cands = soak["candidates"]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(cands), os.cpu_count() or 1, MAX_LOADS))) as pool:
+    at_once = 1 if loads_fork() else max(1, min(len(cands), os.cpu_count() or 1, MAX_LOADS))
+    pool = ThreadPoolExecutor(max_workers=at_once)
+    try:
         metas = list(pool.map(lambda c: load_meta(c["kernel"], c["candidate"]), cands))
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a failed load, the queued ones do not start
     for i, (cand, meta) in enumerate(zip(cands, metas)):
         impl = SimpleNamespace(**meta)
         label = _label(i, cand)
@@ -296,20 +304,25 @@ class _CellsAsTheyComplete:
 
     def __init__(self, cells, jobs, out: Path, judge):
         self.cells, self.judge, self.judged, self.arms = cells, judge, {}, {}
+        self.started = {}  # cell index -> when its judging began (time.time())
+        self.last_arrival = None  # when the last arm so far arrived
         self.index = {str(cell[4].relative_to(out)): i for i, cell in enumerate(cells)}
         self.waiting = {}  # cell index -> keys of its arms not arrived yet
         for job in jobs:
             self.waiting.setdefault(self.index[_cell_of(job.key)], set()).add(job.key)
 
     def arrived(self, key: str, st: dict):
+        self.last_arrival = time.time()
         self.arms[key] = st
         i = self.index[_cell_of(key)]
         self.waiting[i].discard(key)
         if not self.waiting[i]:
+            self.started[i] = time.time()
             try:
                 self.judged[i] = self.judge(self.cells[i], self.arms)
-            except Exception:  # judged again after the last arm (see the class's doc)
-                pass
+            except Exception as e:  # judged again after the last arm (see the class's doc)
+                print(f"  {_cell_of(key)}: judging it failed while arms trained, again after the last arm "
+                      f"({type(e).__name__}: {e})".splitlines()[0][:300], flush=True)
 
 
 def _judge_cell(args, publish, cell, arms, out, opts, corpus, vocab, ran: set, files) -> tuple:

@@ -100,9 +100,9 @@ def load_results(results_dir, files=None) -> Results:
                 and (d / "plan.json").is_file() else ""
             raise UserError(f"{d}: not a finished results folder of `divergence ab` (no {name}){hint}")
     try:
-        plan = json.loads((d / "plan.json").read_text())
-        verdict = json.loads((d / "verdict.json").read_text())
-        drift = json.loads((d / "drift.json").read_text()) if (d / "drift.json").is_file() else {}
+        plan = read_json(d / "plan.json")
+        verdict = read_json(d / "verdict.json")  # it holds the arms' lockstep records: "inf" is a float again
+        drift = read_json(d / "drift.json") if (d / "drift.json").is_file() else {}
     except json.JSONDecodeError as e:
         raise UserError(f"{d}: a results file does not parse as JSON: {e}") from None
     arms = {}

@@ -68,6 +68,11 @@ class WorkerDied(Exception):
         self.kind, self.why = kind, why
 
 
+def loads_fork() -> bool:
+    """Whether `load_meta` forks its worker here (else it spawns one)."""
+    return _context("cuda" if torch.cuda.is_available() else "cpu")[1]
+
+
 def _context(device: str):
     # Fork where it is safe: CPU work on a machine without CUDA (a spawned interpreter took 3.7 s to import and
     # load on this 2-core machine, a fork plus the candidate's import 0.02 s). Where there is a GPU the parent's
