@@ -42,10 +42,6 @@ def dumps(obj, **kw) -> str:
     return json.dumps(jsonable(obj), allow_nan=False, default=str, **kw)
 
 
-def _unclean(v):
-    return float(v) if v in ("nan", "inf", "-inf") else v
-
-
 def from_jsonable(obj):
     """The inverse of `jsonable`: "nan"/"inf"/"-inf" back to floats, in dicts and lists at any depth. Whatever reads
     a record back to compute or format with it uses this (a lockstep record's median ratio read back as the string
@@ -54,7 +50,7 @@ def from_jsonable(obj):
         return {k: from_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [from_jsonable(v) for v in obj]
-    return _unclean(obj) if isinstance(obj, str) else obj
+    return float(obj) if obj in ("nan", "inf", "-inf") else obj
 
 
 def read_json(path):
@@ -85,7 +81,7 @@ def read_metrics(path) -> list:
             if not line:
                 continue
             try:
-                rows.append({k: _unclean(v) for k, v in json.loads(line).items()})
+                rows.append(from_jsonable(json.loads(line)))
             except json.JSONDecodeError:
                 break  # a line cut by a kill: everything before it is intact
     return rows

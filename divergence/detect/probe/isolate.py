@@ -68,9 +68,15 @@ class WorkerDied(Exception):
         self.kind, self.why = kind, why
 
 
+def _load_device() -> str:
+    """Where `load_meta`'s worker loads a candidate: the GPU where there is one (a Triton candidate's load asks
+    for it)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def loads_fork() -> bool:
     """Whether `load_meta` forks its worker here (else it spawns one)."""
-    return _context("cuda" if torch.cuda.is_available() else "cpu")[1]
+    return _context(_load_device())[1]
 
 
 def _context(device: str):
@@ -338,8 +344,7 @@ def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
     it raises; a candidate whose import kills or hangs the process is a CandidateError too (exit 2). The caller
     never imports candidate code. Forked on a machine without CUDA (0.04 s), spawned where there is one (see
     _context: a Triton candidate's load asks for the GPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    w = _start(slot, spec, device, 0, [], Path(os.devnull), limits)
+    w = _start(slot, spec, _load_device(), 0, [], Path(os.devnull), limits)
     w.close()
     return w.meta
 
