@@ -41,12 +41,18 @@ def _arrays(arm: dict) -> dict:
     return {m: {k: np.asarray(v[k]) for k in v} for m, v in arm.items()}
 
 
-def load_dumps(paths) -> dict:
+def load_dumps(paths, steps=None) -> dict:
+    """{arm key: {metric: arrays}} of the dumps; with `steps`, every series cut after that step (the recipes'
+    learning rate is constant, so a longer run's first N steps stand for an N-step run's)."""
     arms = {}
     for p in paths:
         with gzip.open(p, "rt") as f:
             arms.update(json.load(f))
-    return {k: _arrays(v) for k, v in arms.items()}
+    arms = {k: _arrays(v) for k, v in arms.items()}
+    if steps is not None:
+        arms = {k: {m: {f: x[v["steps"] <= steps] for f, x in v.items()} for m, v in a.items()}
+                for k, a in arms.items()}
+    return arms
 
 
 def judge_one(arms: dict, seed: str, cand: str, nulls: list, opts: list, rule) -> tuple:
@@ -71,7 +77,7 @@ def by_seed(arms: dict) -> dict:
 
 
 def judge(args) -> int:
-    arms = load_dumps(args.dumps)
+    arms = load_dumps(args.dumps, args.steps)
     per_seed = by_seed(arms)
     n = fp = 0
     worst = []
@@ -157,6 +163,7 @@ def main(argv=None) -> int:
     j.add_argument("--margin", type=float, default=3.0)
     j.add_argument("--window", type=int, default=3)
     j.add_argument("--lead", type=int, default=5)
+    j.add_argument("--steps", type=int, metavar="N", help="judge only steps <= N (a shorter run of the same arms)")
     j.add_argument("--resample", type=int, default=0, metavar="N", help="also N random null subsets per correct arm")
     a = ap.parse_args(argv)
     return dump(a) if a.cmd == "dump" else judge(a)

@@ -78,6 +78,9 @@ def _add_ab(sub):
 
 
 def cmd_ab(args) -> int:
+    from .ab.runner import start_server_first
+
+    start_server_first()  # before the imports below, which take seconds on a fresh GPU machine
     from .ab.run import cmd_ab as run_ab
     from .report.publish import after_ab
 
@@ -85,6 +88,10 @@ def cmd_ab(args) -> int:
 
 
 def cmd_soak(args) -> int:
+    from .ab.runner import start_server_first
+
+    if getattr(args, "backend", None) != "ray":  # Ray's workers start their own processes
+        start_server_first()
     from .ab.soak import cmd_soak as run_soak
     from .report import publish
 

@@ -1,5 +1,7 @@
 """The A/B run end to end on the tiny recipe: the bf16 kernel is flagged, known-good kernels pass, exit codes."""
 import os
+import subprocess
+import sys
 import json
 from pathlib import Path
 
@@ -11,6 +13,8 @@ from divergence.detect import distances as compare, rule, verdict
 from divergence.detect.buckets import bucket_rows
 from divergence.cli import main
 from divergence.zoo import ZOO
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GOOD = [n for n, e in ZOO.items() if e.slot == "fused_embed_rmsnorm" and e.verdict == "good"
         and not getattr(e, "gpu_only", False)]
@@ -314,6 +318,67 @@ def test_a_gpu_run_starts_its_fork_server_before_its_first_arm(monkeypatch):
         assert started == [runner.SERVER_PRELOAD + runner.COMPILE_PRELOAD]
     finally:
         runner._context("forkserver")
+
+
+def test_a_gpu_is_seen_from_the_drivers_folders_without_torch(tmp_path, monkeypatch):
+    from divergence.ab import runner
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(runner, "NVIDIA_GPUS", tmp_path / "missing")
+    assert not runner.gpu_seen()
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    monkeypatch.setattr(runner, "NVIDIA_GPUS", gpus)
+    assert not runner.gpu_seen()  # the driver loaded, no GPU
+    (gpus / "0000:18:00.0").mkdir()
+    assert runner.gpu_seen()
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not runner.gpu_seen()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert runner.gpu_seen()
+
+
+def test_where_a_gpu_is_seen_the_server_starts_first_preloading_inductor(monkeypatch):
+    from multiprocessing import forkserver
+
+    from divergence.ab import runner
+
+    started = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(forkserver._forkserver._preload_modules))
+    try:
+        monkeypatch.setattr(runner, "gpu_seen", lambda: False)
+        assert runner.start_server_first() is False and started == []
+        monkeypatch.setattr(runner, "gpu_seen", lambda: True)
+        assert runner.start_server_first() is True
+        assert started == [runner.SERVER_PRELOAD + runner.COMPILE_PRELOAD]
+    finally:
+        runner._context("forkserver")
+
+
+def test_ab_starts_the_server_before_importing_torch_and_never_imports_lightning_to_key_arms(tmp_path):
+    """What the early start is for (2026-11-26, H200, a fresh machine: 7 s of imports, then the server's 12-14 s):
+    `ab` asks for the server before this process imports torch; and keying the shared arms (device_kind) does not
+    import Lightning (3.5-4 s of the main thread there). In a fresh interpreter, where nothing is imported yet."""
+    code = f"""
+import sys
+from divergence.ab import runner
+seen = []
+runner.start_server_first = lambda: seen.append("torch" in sys.modules) or False
+from divergence.cli import main
+rc = main(["ab", "--candidate", {str(tmp_path / "missing.py")!r}])
+assert rc == 2, rc
+assert seen == [False], seen
+from divergence.ab.share import device_kind
+kind = device_kind("cpu")
+assert "lightning" not in sys.modules, "device_kind imported lightning"
+import importlib.metadata
+assert kind["lightning"] == importlib.metadata.version("lightning")
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 def test_ab_and_soak_start_the_server_once_they_know_the_device(tmp_path, monkeypatch, capsys):

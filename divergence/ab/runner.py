@@ -336,6 +336,44 @@ def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
     return "fork"
 
 
+# One folder per GPU the NVIDIA driver sees (Linux).
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def gpu_seen() -> bool:
+    """Whether this machine shows this process an NVIDIA GPU, read without importing torch: the driver lists one
+    folder per GPU under /proc/driver/nvidia/gpus, and CUDA_VISIBLE_DEVICES="" or "-1" hides them all. A guess for
+    starting the fork server early (start_server_first), never for choosing the device: the recipe and torch do
+    that (train.arm.resolve_device)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return any(NVIDIA_GPUS.iterdir())
+    except OSError:
+        return False
+
+
+def start_server_first() -> bool:
+    """At the start of `ab` and `soak` (cli), before this process imports torch: where a GPU is seen, start the fork
+    server now, preloading inductor as for a compiling recipe (every GPU recipe compiles; the arms of one that does
+    not inherit inductor imported and unused). Whether one was started.
+
+    2026-11-26, one H200, the default A/B on a fresh machine, its main thread sampled every 20 ms: this process spent
+    7 s importing (torch, dynamo, matplotlib) before it had a recipe and a device to start the server with, the
+    server's own imports then took 12-14 s, and the first arm waited 5 s for it (in forkserver's read_signed) after
+    everything else was ready. Started here, the server's imports overlap this process's own. Where the recipe then
+    spawns its arms or trains on the CPU with one thread, the server stays idle and ends with this process; where
+    no GPU is seen, start_server_early starts it (or not) once the device is known, as before."""
+    if not gpu_seen():
+        return False
+    from multiprocessing import forkserver
+
+    _context("forkserver", compiled=True)
+    forkserver.ensure_running()
+    return True
+
+
 def start_server_early(recipe, device: str) -> None:
     """On a GPU, where the arms will be fork-served: start the server now, without waiting for it. Its imports
     (Lightning, inductor) then overlap the candidate's loading, the probe and the corpus instead of delaying the

@@ -46,16 +46,29 @@ def code_version() -> str:
 
 
 def device_kind(device: str) -> dict:
-    import lightning
     import torch
 
-    kind = {"device": device, "torch": torch.__version__, "lightning": lightning.__version__,
+    kind = {"device": device, "torch": torch.__version__, "lightning": _lightning_version(),
             "machine": platform.machine()}
     if device == "cuda":
         kind["gpu"] = torch.cuda.get_device_name(0)
     else:  # CPU kernels pick their vector width at run time: AVX2 and AVX-512 machines round differently
         kind["cpu"] = torch.backends.cpu.get_cpu_capability()
     return kind
+
+
+def _lightning_version() -> str:
+    """Lightning's version from its installed metadata: importing it here (the arms import it; this process need
+    not) took 3.5-4 s of the default A/B's main thread on a fresh H200 machine (2026-11-26, sampled), before its
+    first arm could start."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("lightning")
+    except metadata.PackageNotFoundError:  # a source tree on the path, not installed
+        import lightning
+
+        return lightning.__version__
 
 
 def corpus_id(corpus) -> dict:
