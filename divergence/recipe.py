@@ -386,7 +386,7 @@ def _merge(base: dict, over: dict) -> dict:
 
 def default_recipe_name(shaped: bool = False) -> str:
     """`small` on a CPU machine, `h200` where CUDA is available; `h200-shapes` there for declared production
-    shapes (`shaped`), whose width alone makes the h200 recipe's 6 layers and 1000 steps too long."""
+    shapes (`shaped`), whose width alone makes the h200 recipe's 6 layers too long."""
     if os.environ.get("DIVERGENCE_RECIPE"):
         return os.environ["DIVERGENCE_RECIPE"]
     import torch

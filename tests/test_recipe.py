@@ -39,7 +39,7 @@ def test_every_recipe_builds_its_model_and_takes_a_step_at_its_shapes(name):
 DOCUMENTED = {
     "tiny": dict(tokens_per_step=1024, optimizers=["sgd", "adamw", "adafactor"]),
     "small": dict(tokens_per_step=2048, optimizers=["sgd", "adamw", "adafactor"]),
-    "h200": dict(tokens_per_step=16384, params_m=23, optimizers=["sgd", "adamw", "adafactor"]),
+    "h200": dict(tokens_per_step=16384, params_m=23, steps=300, optimizers=["sgd", "adamw", "adafactor"]),
     "h200-softcap": dict(tokens_per_step=16384, params_m=23, attn_softcap=20.0, steps=300,
                          optimizers=["sgd", "adamw", "adafactor"]),
     "h200-story": dict(tokens_per_step=16384, params_m=23, steps=1500, embed_init_std=0.02, sgd_lr=0.1,
