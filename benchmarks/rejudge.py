@@ -14,6 +14,10 @@ arms themselves are GBs. `judge` takes dumps (several seeds) and judges every kn
 The dumps of the 2026-11-23 H200 calibration (README.md, "Calibration on the H200") are in
 benchmarks/calibration/h200-20261123/; the README's table rows come from:
     python benchmarks/rejudge.py judge benchmarks/calibration/h200-20261123/*.json.gz --nulls 2 --lead 0
+and the 300-step figures of 2026-11-26 (README "What the verdict promises") from that day's dumps with seed 8's
+1000-step arms cut at step 300:
+    python benchmarks/rejudge.py judge benchmarks/calibration/h200-20261126/*.json.gz \
+        benchmarks/calibration/h200-20261125/*.json.gz --steps 300 --resample 10
 """
 from __future__ import annotations
 

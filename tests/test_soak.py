@@ -54,6 +54,9 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == 4
     printed = capsys.readouterr().out
     assert "overall" in printed and "s training arms" in printed.splitlines()[-1]
+    for r in rows:  # each cell's line says its case and exit code, not only the verdict
+        (line,) = [ln for ln in printed.splitlines() if r["candidate"] in ln and f" {r['seed']}  " in ln]
+        assert line.split()[-2:] == [r["case"], str(r["exit_code"])], line
     timings = json.loads((out / "soak.json").read_text())["timings"]
     assert set(timings) == {"arms_s", "judge_publish_s", "cells_judged_while_arms_trained"}
     n_runs = check_wandb_groups(out, rows)

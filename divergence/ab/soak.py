@@ -352,8 +352,13 @@ def _write_csv(path: Path, rows: list):
 
 
 def _print_rows(rows: list, opts):
+    """The soak's table, with each cell's case and exit code: DIVERGED alone does not tell a finding that harms
+    training (exit 1) from the weaker kind, weights moved only (exit 3; README "What the verdict promises"). On
+    the H200 (2026-11-26) a correct kernel flagged in one soak could not be told apart afterwards: only this table
+    had come back."""
     print()
-    print(f"{'kernel':<22} {'candidate':<34} {'seed':>4}  " + " ".join(f"{o:<9}" for o in opts) + " overall")
+    print(f"{'kernel':<22} {'candidate':<34} {'seed':>4}  " + " ".join(f"{o:<9}" for o in opts)
+          + f" {'overall':<12} {'case':<17} exit")
     for r in rows:
         print(f"{r['kernel']:<22} {r['candidate'][-34:]:<34} {r['seed']:>4}  "
-              + " ".join(f"{r[o]:<9}" for o in opts) + f" {r['verdict']}")
+              + " ".join(f"{r[o]:<9}" for o in opts) + f" {r['verdict']:<12} {r['case']:<17} {r['exit_code']}")
