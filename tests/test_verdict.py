@@ -358,6 +358,10 @@ def test_rejudge_counts_known_good_findings_under_the_rule_asked_for(tmp_path, c
     out = capsys.readouterr().out
     assert "0 of 1 known-good A/Bs with a finding" in out
     assert "triton_embed_bf16 " in out and "known-bad: FINDING" in out
+    # --steps N judges the first N steps only (a shorter run of the same arms): cut before the early burst (step
+    # 27), the correct arm is no finding even without a lead
+    rejudge(["judge", str(p), "--lead", "0", "--steps", "20"])
+    assert "0 of 1 known-good A/Bs with a finding" in capsys.readouterr().out
 
 
 def test_calibration_run_leaves_distances_any_rule_can_rejudge(tmp_path, capsys):
