@@ -381,6 +381,48 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
+SERVED_CACHE_SCRIPT = """
+import json, os, sys
+from multiprocessing import forkserver
+
+
+def child(path, world):
+    from divergence.ab.runner import enter_world
+
+    preloaded = "torch._inductor.compile_fx" in sys.modules  # imported by the server, before the folder was chosen
+    enter_world(world)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    with open(path, "w") as f:
+        json.dump({"preloaded": preloaded, "cache_dir": cache_dir()}, f)
+
+
+if __name__ == "__main__":
+    from divergence.ab import runner
+
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    runner._context("forkserver", compiled=True)
+    forkserver.ensure_running()  # as start_server_first: before the compile cache is chosen
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[2]  # as use_compile_cache, later
+    p = runner._context("forkserver", compiled=True).Process(target=child, args=(sys.argv[1], {"env": dict(os.environ)}))
+    p.start()
+    p.join(120)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_a_server_started_before_the_compile_cache_is_chosen_still_compiles_into_it(tmp_path):
+    """start_server_first starts the server (inductor imported) before use_compile_cache sets the folder: a served
+    arm must still compile into the project's cache, not inductor's /tmp default (inductor reads the variable at
+    each look, and the arm gets the asker's environment). In a fresh interpreter, whose server is its own."""
+    script, out, cache = tmp_path / "served.py", tmp_path / "seen.json", tmp_path / "compile-cache"
+    script.write_text(SERVED_CACHE_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(out), str(cache)], capture_output=True, text=True,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(out.read_text()) == {"preloaded": True, "cache_dir": str(cache)}
+
+
 def test_ab_and_soak_start_the_server_once_they_know_the_device(tmp_path, monkeypatch, capsys):
     """Both verbs call start_server_early with the run's recipe and device, before loading the candidate (here a
     missing one: the call is made, then the run stops in one line) or the corpus."""
