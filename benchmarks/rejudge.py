@@ -46,17 +46,26 @@ def _arrays(arm: dict) -> dict:
 
 
 def load_dumps(paths, steps=None) -> dict:
-    """{arm key: {metric: arrays}} of the dumps; with `steps`, every series cut after that step (the recipes'
-    learning rate is constant, so a longer run's first N steps stand for an N-step run's)."""
+    """{arm key: {metric: arrays}} of the dumps; with `steps` N, as an N-step run of the same arms would have them
+    (the recipes' learning rate is constant, so a longer run's first N steps are an N-step run's): per-step series
+    (loss, gradient norms) cut to steps 0..N-1, evaluations (validation, snapshots' drift, KL) to steps <= N. Not
+    quite the same: the N-step run evaluates at its last step N too, which the longer run did only where N falls on
+    its `val_every` and `snapshot_every` (seed 8's 1000-step arms, cut at 300, lack the drift snapshot at 300)."""
     arms = {}
     for p in paths:
         with gzip.open(p, "rt") as f:
             arms.update(json.load(f))
     arms = {k: _arrays(v) for k, v in arms.items()}
     if steps is not None:
-        arms = {k: {m: {f: x[v["steps"] <= steps] for f, x in v.items()} for m, v in a.items()}
-                for k, a in arms.items()}
+        arms = {k: {m: _cut(v, steps) for m, v in a.items()} for k, a in arms.items()}
     return arms
+
+
+def _cut(series: dict, steps: int) -> dict:
+    at = series["steps"]
+    per_step = len(at) > 1 and bool(np.all(np.diff(at) == 1))
+    keep = at < steps if per_step else at <= steps
+    return {f: x[keep] for f, x in series.items()}
 
 
 def judge_one(arms: dict, seed: str, cand: str, nulls: list, opts: list, rule) -> tuple:
@@ -81,6 +90,9 @@ def by_seed(arms: dict) -> dict:
 
 
 def judge(args) -> int:
+    if args.steps is not None and args.steps < args.window:
+        raise SystemExit(f"rejudge: --steps {args.steps}: below --window {args.window}, no A/B could be judged (the "
+                         "verdict would be INCONCLUSIVE)")
     arms = load_dumps(args.dumps, args.steps)
     per_seed = by_seed(arms)
     n = fp = 0

@@ -89,10 +89,10 @@ def cmd_ab(args) -> int:
 
 def cmd_soak(args) -> int:
     from .ab.runner import start_server_first
+    from .ab.soak import cmd_soak as run_soak, runs_local
 
-    if getattr(args, "backend", None) != "ray":  # Ray's workers start their own processes
-        start_server_first()
-    from .ab.soak import cmd_soak as run_soak
+    if runs_local(args):  # Ray's workers start their own processes
+        start_server_first()  # before the imports below, which take seconds on a fresh GPU machine
     from .report import publish
 
     return run_soak(args, publish=publish)

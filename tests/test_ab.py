@@ -320,23 +320,33 @@ def test_a_gpu_run_starts_its_fork_server_before_its_first_arm(monkeypatch):
         runner._context("forkserver")
 
 
-def test_a_gpu_is_seen_from_the_drivers_folders_without_torch(tmp_path, monkeypatch):
+def test_a_gpu_is_seen_from_the_drivers_files_without_torch(tmp_path, monkeypatch):
     from divergence.ab import runner
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(runner, "NVIDIA_GPUS", tmp_path / "missing")
+    monkeypatch.setattr(runner, "NVIDIA_DEVICES", str(tmp_path / "dev" / "nvidia[0-9]*"))
     assert not runner.gpu_seen()
-    gpus = tmp_path / "gpus"
+    gpus, dev = tmp_path / "gpus", tmp_path / "dev"
     gpus.mkdir()
+    dev.mkdir()
     monkeypatch.setattr(runner, "NVIDIA_GPUS", gpus)
     assert not runner.gpu_seen()  # the driver loaded, no GPU
     (gpus / "0000:18:00.0").mkdir()
+    assert not runner.gpu_seen()  # listed by the host's driver, no device file here: a container without GPUs
+    (dev / "nvidiactl").touch()
+    assert not runner.gpu_seen()  # the control file is not a GPU
+    (dev / "nvidia0").touch()
     assert runner.gpu_seen()
-    for hidden in ("", "-1"):
+    for hidden in ("", "-1", "NoDevFiles"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not runner.gpu_seen(), hidden
+    for shown in ("0", "1,0", "GPU-5f0c2b1e", "MIG-3a1b"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", shown)
+        assert runner.gpu_seen(), shown
+    (dev / "nvidia0").chmod(0)
+    if os.geteuid() != 0:  # root opens any file
         assert not runner.gpu_seen()
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert runner.gpu_seen()
 
 
 def test_where_a_gpu_is_seen_the_server_starts_first_preloading_inductor(monkeypatch):
@@ -370,13 +380,14 @@ rc = main(["ab", "--candidate", {str(tmp_path / "missing.py")!r}])
 assert rc == 2, rc
 assert seen == [False], seen
 from divergence.ab.share import device_kind
+assert "lightning" not in sys.modules, "lightning was imported before device_kind"
 kind = device_kind("cpu")
 assert "lightning" not in sys.modules, "device_kind imported lightning"
-import importlib.metadata
-assert kind["lightning"] == importlib.metadata.version("lightning")
+import lightning
+assert kind["lightning"] == lightning.__version__  # the arms' cache keys as before
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
@@ -421,6 +432,37 @@ def test_a_server_started_before_the_compile_cache_is_chosen_still_compiles_into
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(out.read_text()) == {"preloaded": True, "cache_dir": str(cache)}
+
+
+def test_a_soak_starts_the_server_first_only_where_its_arms_run_here(tmp_path, monkeypatch):
+    """Ray's workers start their own processes: a soak on Ray, asked for by its file, --backend, --ray-address or
+    the folder --resume continues, starts no server early; nor does one whose file cannot be read."""
+    from divergence import cli
+    from divergence.ab import runner, soak
+
+    started = []
+    monkeypatch.setattr(runner, "start_server_first", lambda: started.append(True) or True)
+    monkeypatch.setattr(soak, "cmd_soak", lambda args, publish=None: 0)
+    body = "name: t\nrecipe: tiny\ncandidates: [{kernel: fused_embed_rmsnorm, candidate: zoo:embed_sort_segment}]\n"
+    local, ray = tmp_path / "local.yaml", tmp_path / "ray.yaml"
+    local.write_text(body)
+    ray.write_text(body + "backend: ray\n")
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "soak-plan.json").write_text(json.dumps({**soak.load_soak(ray), "overrides": {}}))
+
+    def asks(**kw) -> bool:
+        started.clear()
+        args = dict(soak=None, resume=None, backend=None, ray_address=None, out=None, set=None, no_wandb=True)
+        assert cli.cmd_soak(__import__("argparse").Namespace(**{**args, **kw})) == 0
+        return bool(started)
+
+    assert asks(soak=str(local))
+    assert not asks(soak=str(ray))
+    assert not asks(soak=str(local), backend="ray")
+    assert not asks(soak=str(local), ray_address="127.0.0.1:6379")
+    assert not asks(resume=str(resumed))
+    assert not asks(soak=str(tmp_path / "missing.yaml"))
 
 
 def test_ab_and_soak_start_the_server_once_they_know_the_device(tmp_path, monkeypatch, capsys):

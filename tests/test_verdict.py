@@ -362,6 +362,15 @@ def test_rejudge_counts_known_good_findings_under_the_rule_asked_for(tmp_path, c
     # 27), the correct arm is no finding even without a lead
     rejudge(["judge", str(p), "--lead", "0", "--steps", "20"])
     assert "0 of 1 known-good A/Bs with a finding" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="below --window 3"):
+        rejudge(["judge", str(p), "--steps", "2"])
+    from rejudge import load_dumps  # an N-step run's series: per-step ones to N-1, evaluations to N
+
+    evals = {"steps": [0, 10, 20, 30], "dist": [0.0] * 4, "signed": [0.0] * 4}
+    with gzip.open(p, "wt") as f:
+        json.dump({"seed-0/sgd/null-1": {**arm(31), "val_loss": evals}}, f)
+    (cut,) = load_dumps([p], steps=20).values()
+    assert cut["loss"]["steps"].tolist() == list(range(20)) and cut["val_loss"]["steps"].tolist() == [0, 10, 20]
 
 
 def test_calibration_run_leaves_distances_any_rule_can_rejudge(tmp_path, capsys):

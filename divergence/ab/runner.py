@@ -100,10 +100,15 @@ def split_finished(jobs) -> tuple:
 def enter_world(world) -> None:
     """In an arm from the fork server: the asking process's environment as it is now. The server holds it as it
     was when it started (the first fork-served arm of this process, or on a GPU the start of `ab`/`soak`:
-    start_server_early), and a test or a caller may have changed it since. (The folder needs nothing:
-    multiprocessing's preparation of the child already moves to the asker's.) Modules the server imported read some
-    variables once, at import (TORCHINDUCTOR_*, inductor itself being preloaded for compiling recipes, TRITON_*,
-    OMP_*): those keep the server's values; set them before `divergence` starts, or use `ab.arm_start: spawn`.
+    start_server_first, before this process has even chosen its compile cache), and a test or a caller may have
+    changed it since. (The folder needs nothing: multiprocessing's preparation of the child already moves to the
+    asker's.) Modules the server imported read some variables once, at import (some TORCHINDUCTOR_* settings,
+    inductor itself being preloaded for compiling recipes, TRITON_*, OMP_*): those keep the server's values; set
+    them before `divergence` starts, or use `ab.arm_start: spawn`. Not TORCHINDUCTOR_CACHE_DIR, which inductor reads
+    at each look (use_compile_cache sets it after the server starts; tests/test_ab.py checks that a served arm
+    compiles into it). Variables the server's imports set in its own environment are not the arm's either (importing
+    Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK; this process no longer imports Lightning): an arm starts CUDA
+    itself, which that check only postpones.
 
     And let go of the server's lifeline: multiprocessing hands every served child the write end of the pipe whose
     closing tells the server its asker is gone, so that the child may ask the server for processes itself. An arm
@@ -336,64 +341,78 @@ def start_method(device: str, threads: int, arm_start: str = "auto") -> str:
     return "fork"
 
 
-# One folder per GPU the NVIDIA driver sees (Linux).
+# One folder per GPU the NVIDIA driver sees (Linux; not per container), and the device files a process that may
+# use one can open.
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+NVIDIA_DEVICES = "/dev/nvidia[0-9]*"
 
 
 def gpu_seen() -> bool:
-    """Whether this machine shows this process an NVIDIA GPU, read without importing torch: the driver lists one
-    folder per GPU under /proc/driver/nvidia/gpus, and CUDA_VISIBLE_DEVICES="" or "-1" hides them all. A guess for
-    starting the fork server early (start_server_first), never for choosing the device: the recipe and torch do
-    that (train.arm.resolve_device)."""
+    """Whether this process may use an NVIDIA GPU, read without importing torch: the driver lists a GPU under
+    /proc/driver/nvidia/gpus and a /dev/nvidiaN this process can open (a container started without GPUs on a GPU
+    host sees the first, not the second), and CUDA_VISIBLE_DEVICES, where set, names one first (a number, or a
+    GPU-/MIG- id: not "", "-1" or Slurm's "NoDevFiles"). A guess for starting the fork server early
+    (start_server_first), never for choosing the device: the recipe and torch do that (train.arm.resolve_device)."""
+    import glob
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        if not (first.isdigit() or first.startswith(("GPU-", "MIG-"))):
+            return False
     try:
-        return any(NVIDIA_GPUS.iterdir())
+        listed = any(NVIDIA_GPUS.iterdir())
     except OSError:
         return False
+    return listed and any(os.access(d, os.R_OK | os.W_OK) for d in glob.glob(NVIDIA_DEVICES))
 
 
 def start_server_first() -> bool:
-    """At the start of `ab` and `soak` (cli), before this process imports torch: where a GPU is seen, start the fork
-    server now, preloading inductor as for a compiling recipe (every GPU recipe compiles; the arms of one that does
-    not inherit inductor imported and unused). Whether one was started.
+    """At the start of `ab` and of a soak that runs here (cli), before this process imports torch: where a GPU is
+    seen, start the fork server now, preloading inductor as for a compiling recipe (every GPU recipe compiles; the
+    arms of one that does not inherit inductor imported and unused). Whether one was started. Where the recipe then
+    spawns its arms or trains on the CPU, the server stays idle and ends with this process; where no GPU is seen,
+    start_server_early starts it (or not) once the device is known, as before.
 
-    2026-11-26, one H200, the default A/B on a fresh machine, its main thread sampled every 20 ms: this process spent
-    7 s importing (torch, dynamo, matplotlib) before it had a recipe and a device to start the server with, the
-    server's own imports then took 12-14 s, and the first arm waited 5 s for it (in forkserver's read_signed) after
-    everything else was ready. Started here, the server's imports overlap this process's own. Where the recipe then
-    spawns its arms or trains on the CPU with one thread, the server stays idle and ends with this process; where
-    no GPU is seen, start_server_early starts it (or not) once the device is known, as before."""
+    Why (2026-11-26, one H200, the default A/B on a fresh machine, its main thread sampled every 20 ms): this
+    process spent 7 s importing (torch, dynamo, matplotlib) before it had a recipe and a device to start the server
+    with, the server's own imports then took 12-14 s, and the first arm waited 5 s for it (in forkserver's
+    read_signed) after everything else was ready. What it bought, same machine, before against after: the first
+    arm's result 6-9 s sooner (39 -> 33 s and 40 -> 31 s into the arms), the whole A/B 133 -> 133 s at 4 arms at
+    once and 120 -> 110 s at 6; the wait for the server fell to about 1 s, but this process's imports grew to 11-12
+    s (three processes importing torch at once: the server, the candidate's loader, this one)."""
     if not gpu_seen():
         return False
-    from multiprocessing import forkserver
-
-    _context("forkserver", compiled=True)
-    forkserver.ensure_running()
+    _serve(compiled=True)
     return True
 
 
 def start_server_early(recipe, device: str) -> None:
-    """On a GPU, where the arms will be fork-served: start the server now, without waiting for it. Its imports
-    (Lightning, inductor) then overlap the candidate's loading, the probe and the corpus instead of delaying the
-    first arm: the first served arm's boot_s, which includes the server's start, was 11-23 s (2026-11-25, one H100;
-    9.7 s in the one run since).
+    """On a GPU, where the arms will be fork-served: start the server (if start_server_first has not), without
+    waiting for it. Its imports (Lightning, inductor) then overlap the candidate's loading, the probe and the corpus
+    instead of delaying the first arm: the first served arm's boot_s, which includes the server's start, was 11-23 s
+    (2026-11-25, one H100; 9.7 s in the one run since).
     Not on the CPU, where the server's imports would compete with the probe for a machine's few cores."""
     if device != "cuda" or start_method(device, recipe.train.threads, recipe.ab.arm_start) != "forkserver":
         return
+    _serve(compiled=bool(recipe.train.compile))
+
+
+def _serve(compiled: bool) -> None:
+    """Start this process's fork server (a no-op once it runs) and return: the preloads run in the server while
+    this process goes on."""
     from multiprocessing import forkserver
 
-    _context("forkserver", compiled=bool(recipe.train.compile))
-    forkserver.ensure_running()  # spawns it and returns: the preloads run in the server while this process goes on
+    _context("forkserver", compiled=compiled)
+    forkserver.ensure_running()
 
 
 def _context(method: str, compiled: bool = False):
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # Effective until the server starts (at the first arm, or on a GPU at start_server_early): one server per
-        # process, so an arm of a compiling recipe served by a server started for one that did not imports inductor
-        # itself (slower, not wrong).
+        # Effective until the server starts (at the first arm, or on a GPU at start_server_first or _early): one
+        # server per process, so an arm of a compiling recipe served by a server started for one that did not
+        # imports inductor itself (slower, not wrong).
         ctx.set_forkserver_preload(SERVER_PRELOAD + (COMPILE_PRELOAD if compiled else []))
     return ctx
 

@@ -88,10 +88,31 @@ def _label(i: int, cand: dict) -> str:
     return f"{i:02d}-{cand['kernel']}-{stem}"
 
 
+def _backend_name(soak: dict, args) -> str:
+    """The soak file's backend, the command line's over it; --ray-address alone means ray."""
+    return args.backend or ("ray" if args.ray_address else soak.get("backend", "local"))
+
+
+def runs_local(args) -> bool:
+    """Whether this soak's arms run on this machine (not Ray), read before anything heavy is imported: cli starts
+    the fork server early for such a soak only. A soak file or folder that cannot be read says no here; cmd_soak
+    then stops on it in its own words."""
+    try:
+        if args.resume:
+            soak = json.loads((Path(args.resume) / "soak-plan.json").read_text())
+        elif args.soak:
+            soak = load_soak(Path(args.soak))
+        else:
+            return False
+    except (OSError, ValueError, UserError):
+        return False
+    return _backend_name(soak, args) != "ray"
+
+
 def _backend(soak: dict, args) -> tuple:
     """(backend, ray_address): the soak file's, the command line's over them; --ray-address alone means ray."""
     address = args.ray_address or soak.get("ray_address")
-    backend = args.backend or ("ray" if args.ray_address else soak.get("backend", "local"))
+    backend = _backend_name(soak, args)
     if backend == "ray":  # before any candidate loads or arm trains: a missing extra or a wrong address, now
         from .ray_runner import check_address, require_ray
 
