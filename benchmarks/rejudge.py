@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     j.add_argument("--margin", type=float, default=3.0)
     j.add_argument("--window", type=int, default=3)
     j.add_argument("--lead", type=int, default=5)
-    j.add_argument("--steps", type=int, metavar="N", help="judge the arms as an N-step run of them would be (per-step series to N-1, evaluations to N)")
+    j.add_argument("--steps", type=int, metavar="N",
+                   help="judge the arms as an N-step run of them would be (per-step series to N-1, evaluations to N)")
     j.add_argument("--resample", type=int, default=0, metavar="N", help="also N random null subsets per correct arm")
     a = ap.parse_args(argv)
     return dump(a) if a.cmd == "dump" else judge(a)
