@@ -415,7 +415,8 @@ if __name__ == "__main__":
     runner._context("forkserver", compiled=True)
     forkserver.ensure_running()  # as start_server_first: before the compile cache is chosen
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[2]  # as use_compile_cache, later
-    p = runner._context("forkserver", compiled=True).Process(target=child, args=(sys.argv[1], {"env": dict(os.environ)}))
+    ctx = runner._context("forkserver", compiled=True)
+    p = ctx.Process(target=child, args=(sys.argv[1], {"env": dict(os.environ)}))
     p.start()
     p.join(120)
     sys.exit(p.exitcode)
