@@ -99,7 +99,7 @@ def runs_local(args) -> bool:
     then stops on it in its own words."""
     try:
         if args.resume:
-            soak = json.loads((Path(args.resume) / "soak-plan.json").read_text())
+            soak = _read_plan(Path(args.resume))
         elif args.soak:
             soak = load_soak(Path(args.soak))
         else:
@@ -204,12 +204,17 @@ def _resumed(args) -> tuple:
     """(soak, results folder, backend, ray address) of the soak in --resume's folder."""
     again = resume_overrides(getattr(args, "set", None), "soak")  # how its arms run, e.g. ab.workers
     out = Path(args.resume)
-    if not (out / "soak-plan.json").exists():
-        raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
-    soak = json.loads((out / "soak-plan.json").read_text())
+    soak = _read_plan(out)
     soak["overrides"] = _merge(soak["overrides"], again)  # for this attempt; soak-plan.json keeps what was asked
     backend, address = _backend(soak, args)
     return soak, out, backend, address
+
+
+def _read_plan(out: Path) -> dict:
+    """The soak-plan.json of a soak's results folder (what --resume continues)."""
+    if not (out / "soak-plan.json").exists():
+        raise UserError(f"{out}: not a soak results folder (no soak-plan.json)")
+    return json.loads((out / "soak-plan.json").read_text())
 
 
 def _started(args) -> tuple:

@@ -61,9 +61,10 @@ class ArmModule(pl.LightningModule):
         opt.step()
         sched.step()
         with torch.no_grad():
-            deltas = torch._foreach_sub([p.detach() for p in params], self.prev)
+            now = [p.detach() for p in params]
+            deltas = torch._foreach_sub(now, self.prev)
             ratio = self._group_norms(deltas) / self._group_norms(self.prev).clamp_min(1e-30)
-            torch._foreach_copy_(self.prev, [p.detach() for p in params])
+            torch._foreach_copy_(self.prev, now)
         # A copy: under CUDA graphs the loss lives in the graph's memory, rewritten by the next replay, and the
         # recorder holds it until its next flush.
         self.sink.after_step(self, step, loss.detach().clone() if self.cudagraphs else loss.detach(), gnorm, ratio,
