@@ -150,6 +150,10 @@ class TrainConfig:
     # recipes' inductor+cudagraphs fuses the fp32 upcasts that dominate the eager step and replays each step as a
     # CUDA graph (COMPILE_BACKENDS above); null = eager.
     compile: Optional[str] = None
+    # Where `compile` uses CUDA graphs, an arm that runs no candidate code (the reference and nulls) replays each
+    # step's forward, backward and gradient norms as one CUDA graph (train/stepgraph.py: why, and what is not
+    # captured); false keeps every arm's body under inductor's cudagraph trees alone.
+    step_graph: bool = True
 
     def validate(self, where):
         for k in ("steps", "batch_size", "val_every", "val_batches", "threads"):

@@ -149,3 +149,53 @@ def test_a_failing_compiled_check_falls_back_to_eager_and_says_so():
     assert torch.equal(row, _lockstep(None)._check(inputs, cand_out, inputs))  # checked all the same
     s = lk.summary()
     assert not s["compiled_metrics"] and "CompilationError" in s["compile_fallback"] and s["error"] is None
+
+
+def test_the_plain_rope_on_shared_tables_is_the_slots_reference_bit_for_bit():
+    r = load_recipe("tiny")
+    x, y = _batch(r)
+    plain = build_model(r.model, VOCAB, build_kernels({}, {"vocab_size": VOCAB}), 0)
+    watched = build_kernels({}, {"vocab_size": VOCAB})
+    calls = []
+    watched.add_tap(lambda slot, *_: calls.append(slot), ["rope"])  # not plain: each layer calls the slot
+    assert torch.equal(plain(x, y), build_model(r.model, VOCAB, watched, 0)(x, y))
+    assert calls == ["rope"] * r.model.n_layers
+
+
+def _embed_grads(kernels, r, compile_backend=None):
+    m = build_model(r.model, VOCAB, kernels, 0)
+    if compile_backend:
+        m.compile_body(compile_backend)
+    x, y = _batch(r)
+    m(x, y).backward()
+    return m.embed.grad, m.embed_norm.grad
+
+
+def test_the_compiled_embedding_runs_the_slots_reference_only_where_it_is_plain(monkeypatch):
+    from divergence.slots.registry import Kernels
+
+    r = load_recipe("tiny")
+    dispatched = []
+    real_call = Kernels.__call__
+
+    def counting(self, slot, *inputs):
+        dispatched.append(slot)
+        return real_call(self, slot, *inputs)
+
+    monkeypatch.setattr(Kernels, "__call__", counting)
+    eager = _embed_grads(build_kernels({}, {"vocab_size": VOCAB}), r)
+    assert dispatched.count("fused_embed_rmsnorm") == 1  # eager: the slot, through the registry
+    dispatched.clear()
+    compiled = _embed_grads(build_kernels({}, {"vocab_size": VOCAB}), r, "aot_eager")
+    assert "fused_embed_rmsnorm" not in dispatched  # the plain reference, compiled (ops.CompiledEmbed)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(eager, compiled))
+    # a null or a candidate, or a watched reference: through the registry, as written
+    for spec in ("null-1", "zoo:embed_bf16_accum"):
+        dispatched.clear()
+        _embed_grads(build_kernels({"fused_embed_rmsnorm": spec}, {"vocab_size": VOCAB}), r, "aot_eager")
+        assert dispatched.count("fused_embed_rmsnorm") == 1, spec
+    watched = build_kernels({}, {"vocab_size": VOCAB})
+    seen = []
+    watched.add_tap(lambda slot, *_: seen.append(slot), ["fused_embed_rmsnorm"])
+    _embed_grads(watched, r, "aot_eager")
+    assert seen == ["fused_embed_rmsnorm"]

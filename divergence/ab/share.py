@@ -90,11 +90,12 @@ def arm_key(recipe, spec, shared: dict) -> Optional[tuple]:
     """(key, its ingredients) for an arm that runs no candidate code, else None; `shared`: run_ingredients."""
     from ..candidates.resolve import build_kernels
 
-    if spec.runs_candidate:
+    from ..train.arm import runs_our_code_only
+
+    built = build_kernels(spec.kernels)
+    if not runs_our_code_only(spec, built):
         return None
-    kernels = build_kernels(spec.kernels).describe()
-    if any(k["role"] == "candidate" for k in kernels.values()):
-        return None
+    kernels = built.describe()
     r = recipe.to_dict()
     for k in ("name", "path", "ab"):
         r.pop(k, None)

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..slots import fused_embed_rmsnorm as fer
@@ -16,10 +18,12 @@ from ..slots import fused_embed_rmsnorm as fer
 
 class EmbedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, norm_weight, input_ids, eps, kernels):
-        y, hidden, rstd = fer.forward(weight, input_ids, norm_weight, eps)
+    def forward(ctx, weight, norm_weight, input_ids, eps, kernels, compiled=None):
+        """`compiled`: a CompiledEmbed (under `train.compile`), else None: all eager."""
+        y, hidden, rstd = (compiled.forward if compiled is not None else fer.forward)(weight, input_ids, norm_weight,
+                                                                                       eps)
         ctx.save_for_backward(input_ids, hidden, rstd, norm_weight)
-        ctx.kernels = kernels
+        ctx.kernels, ctx.compiled = kernels, compiled
         ctx.weight_dtype = weight.dtype
         return y
 
@@ -27,9 +31,24 @@ class EmbedRMSNorm(torch.autograd.Function):
     def backward(ctx, grad_output):
         input_ids, hidden, rstd, norm_weight = ctx.saved_tensors
         # The contract's dtypes are SOL-ExecBench's: bf16 upstream gradient and norm weight, bf16 outputs.
-        ge, gw = ctx.kernels("fused_embed_rmsnorm", grad_output.to(torch.bfloat16).contiguous(), input_ids,
-                             hidden, rstd, norm_weight.to(torch.bfloat16))
-        return ge.to(ctx.weight_dtype), gw.to(norm_weight.dtype), None, None, None
+        inputs = (grad_output.to(torch.bfloat16).contiguous(), input_ids, hidden, rstd, norm_weight.to(torch.bfloat16))
+        if ctx.compiled is not None and ctx.kernels.is_plain("fused_embed_rmsnorm"):
+            ge, gw = ctx.compiled.reference(*inputs)  # the reference, nobody watching: compiled like the body
+        else:
+            ge, gw = ctx.kernels("fused_embed_rmsnorm", *inputs)  # as written, taps and all
+        return ge.to(ctx.weight_dtype), gw.to(norm_weight.dtype), None, None, None, None
+
+
+class CompiledEmbed:
+    """The embedding's fixed forward (gather + RMSNorm) and its slot's reference backward under torch.compile, for
+    a model whose body is compiled: eager, they were about 20 kernel launches a step over (tokens x hidden) fp32
+    tensors. Every arm runs the compiled forward (it is no slot); the compiled reference runs only where the slot
+    is the plain reference (Kernels.is_plain), as a plain reference slot in the body is traced with it."""
+
+    def __init__(self, options: dict, vocab_size: int):
+        self.forward = torch.compile(fer.forward, dynamic=False, **options)
+        self.reference = torch.compile(functools.partial(fer.reference, vocab_size=vocab_size), dynamic=False,
+                                       **options)
 
 
 class RMSNorm(torch.autograd.Function):

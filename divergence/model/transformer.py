@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..slots import rope
 from ..slots.registry import Kernels
-from .ops import EmbedRMSNorm, call_forward_slot, observed_rmsnorm
+from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, observed_rmsnorm
 from .rope_scaling import model_inv_freq
 
 PARAM_GROUPS = ("embedding", "norms", "attention", "mlp", "head")
@@ -44,10 +45,13 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=False)
         self.softcap, self.kernels = cfg.attn_softcap, kernels
 
-    def forward(self, x, position_ids, inv_freq):
+    def forward(self, x, position_ids, inv_freq, rope_tables=None):
         B, S, D = x.shape
         q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, S, hd) each
-        q, k = call_forward_slot(self.kernels, "rope", q, k, position_ids, inv_freq)
+        if rope_tables is not None:  # the plain reference, on tables every layer shares (Transformer._rope_tables)
+            q, k = rope.reference_from_tables(q, k, *rope_tables)
+        else:
+            q, k = call_forward_slot(self.kernels, "rope", q, k, position_ids, inv_freq)
         if self.softcap is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -79,8 +83,8 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg.d_model, cfg.norm_eps, kernels)
         self.mlp = MLP(cfg, kernels)
 
-    def forward(self, x, position_ids, inv_freq):
-        x = x + self.attn(self.attn_norm(x), position_ids, inv_freq)
+    def forward(self, x, position_ids, inv_freq, rope_tables=None):
+        x = x + self.attn(self.attn_norm(x), position_ids, inv_freq, rope_tables)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -95,6 +99,8 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self.register_buffer("inv_freq", model_inv_freq(cfg), persistent=False)
         self.body = self._body  # compile_body replaces it
+        self.compiled_embed = None  # and sets this (ops.CompiledEmbed)
+        self._rope_cache = None  # (cos, sin): _rope_tables
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -122,23 +128,41 @@ class Transformer(nn.Module):
             return "attention"
         return "mlp"
 
-    def compile_body(self, spec: str):
+    def compile_body(self, spec: str, cudagraphs: bool = True):
         """torch.compile everything after the embedding (the blocks, final norm, head and loss) as one graph; the
-        embedding, whose backward is the `fused_embed_rmsnorm` slot, stays out. Inside, plain reference slots are
+        embedding, whose backward is the `fused_embed_rmsnorm` slot, is compiled apart (ops.CompiledEmbed: its
+        fixed forward, and its backward where that is the plain reference). Inside, plain reference slots are
         fused with their neighbours; every other slot call breaks the graph (`torch.compiler.disable` in ops.py),
-        so a candidate runs as written, never traced or rewritten."""
-        self.body = torch.compile(self._body, dynamic=False, **compile_options(spec))
+        so a candidate runs as written, never traced or rewritten. `cudagraphs=False`: without the spec's CUDA
+        graphs (an arm whose whole step is captured: train/stepgraph.py)."""
+        self.body = torch.compile(self._body, dynamic=False, **compile_options(spec, cudagraphs))
+        self.compiled_embed = CompiledEmbed(compile_options(spec, cudagraphs=False), self.vocab_size)
 
     def forward(self, ids, targets=None):
         """(B, S, V) logits, or with `targets` the mean cross-entropy loss alone."""
         B, S = ids.shape
-        x = EmbedRMSNorm.apply(self.embed, self.embed_norm, ids, self.cfg.norm_eps, self.kernels)  # (B, S, D)
+        x = EmbedRMSNorm.apply(self.embed, self.embed_norm, ids, self.cfg.norm_eps, self.kernels,
+                               self.compiled_embed)  # (B, S, D)
         position_ids = torch.arange(S, device=ids.device).expand(B, S)
-        return self.body(x, position_ids, targets)
+        return self.body(x, position_ids, targets, self._rope_tables(position_ids))
 
-    def _body(self, x, position_ids, targets):
+    def _rope_tables(self, position_ids):
+        """The plain reference RoPE's cos/sin tables, built once (position_ids are always arange(S) here) and given
+        to the body as inputs, shared by every layer; None where the slot is not the plain reference. Built inside
+        each slot call, under `train.compile` inductor fused them into each layer's rotation and evaluated cos and
+        sin once per element of q and k, forward and backward (12 kernels of 27 us a step, 0.33 ms of the h200
+        recipe's 7.7; built inside the body once per step, still: one H200, 2026-11-26, `make bench --profile`).
+        The same arithmetic as the slot's reference (slots/rope.py)."""
+        if not self.kernels.is_plain("rope"):
+            return None
+        cached = self._rope_cache
+        if cached is None or cached[0].shape[-2] != position_ids.shape[-1] or cached[0].device != position_ids.device:
+            self._rope_cache = cached = rope.tables(position_ids, self.inv_freq)
+        return cached
+
+    def _body(self, x, position_ids, targets, tables=None):
         for block in self.blocks:
-            x = block(x, position_ids, self.inv_freq)
+            x = block(x, position_ids, self.inv_freq, tables)
         return self._tail(x, targets)
 
     def _tail(self, x, targets):

@@ -22,19 +22,34 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _rope(q, k, position_ids, inv_freq, dtype):
+def tables(position_ids, inv_freq, dtype=torch.float32) -> tuple:
+    """(cos, sin), each (B or 1, 1, S, hd) in `dtype`: what every rotation of one step shares."""
     if position_ids.dim() == 2 and position_ids.stride(0) == 0:
         position_ids = position_ids[:1]  # one row expanded over the batch (the model's arange): the same values
     freqs = position_ids.to(dtype)[..., None] * inv_freq.to(dtype)  # (B or 1, S, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, S, hd)
-    cos, sin = emb.cos(), emb.sin()
-    qf, kf = q.to(dtype), k.to(dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B or 1, 1, S, hd)
+    return emb.cos(), emb.sin()
+
+
+def rotate(q, k, cos, sin) -> tuple:
+    """q and k rotated in the tables' dtype (and left in it)."""
+    qf, kf = q.to(cos.dtype), k.to(cos.dtype)
     return qf * cos + _rotate_half(qf) * sin, kf * cos + _rotate_half(kf) * sin
 
 
-def reference(q, k, position_ids, inv_freq):
-    qo, ko = _rope(q, k, position_ids, inv_freq, torch.float32)
+def _rope(q, k, position_ids, inv_freq, dtype):
+    return rotate(q, k, *tables(position_ids, inv_freq, dtype))
+
+
+def reference_from_tables(q, k, cos, sin):
+    """The reference's arithmetic, its fp32 tables given: the model's plain path builds them once per step and
+    shares them between layers (model/transformer.Transformer._rope_tables: why)."""
+    qo, ko = rotate(q, k, cos, sin)
     return qo.to(q.dtype), ko.to(k.dtype)
+
+
+def reference(q, k, position_ids, inv_freq):
+    return reference_from_tables(q, k, *tables(position_ids, inv_freq, torch.float32))
 
 
 def oracle(q, k, position_ids, inv_freq):

@@ -40,6 +40,24 @@ class ArmSpec:
         return self.name == "candidate" or bool(self.lockstep)
 
 
+def runs_our_code_only(spec: ArmSpec, kernels) -> bool:
+    """No candidate code anywhere in the arm: not the candidate's arm, and every slot filled by a reference or a null
+    (`kernels`: its Kernels). Such an arm may be shared and cached (ab/share.py) and have its step captured as one
+    CUDA graph (step_graph_for)."""
+    return not spec.runs_candidate and all(i.role != "candidate" for i in kernels.impls.values())
+
+
+def step_graph_for(recipe, spec: ArmSpec, kernels, device: str):
+    """A StepGraph for an arm that runs no candidate code, on CUDA, where the recipe asks for CUDA graphs
+    (`train.compile: inductor+cudagraphs`) and leaves `train.step_graph` on; else None (train/stepgraph.py: why)."""
+    from ..model.transformer import uses_cudagraphs
+    from .stepgraph import StepGraph
+
+    if device != "cuda" or not recipe.train.step_graph or not uses_cudagraphs(recipe.train.compile):
+        return None
+    return StepGraph() if runs_our_code_only(spec, kernels) else None
+
+
 def resolve_device(recipe) -> str:
     """The recipe's `train.device` (auto | cpu | cuda, checked by recipe.py) -> cpu or cuda."""
     return pick_device(recipe.train.device,
@@ -96,7 +114,8 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25)
     rec.watch_nonfinite(kernels)
     lockstep = _lockstep(recipe, spec, watcher, kernels, corpus, rec)
-    module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec)
+    step_graph = step_graph_for(recipe, spec, kernels, device)
+    module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec, step_graph)
     trainer = _trainer(recipe, device, progress, callbacks)
     t0 = time.time()
     rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
@@ -166,6 +185,8 @@ def _add_rates(info: dict, recipe, module, rec, device: str) -> None:
     """Throughput, timings and (on CUDA) peak memory, after `info["wall_s"]` is set."""
     info["tokens_per_s"] = recipe.tokens_per_step * max(0, module.step_no) / max(1e-9, info["wall_s"])
     info["timings"] = rec.timings()
+    if module.step_graph is not None:
+        info["timings"].update(module.step_graph.describe())
     if device == "cuda":  # what one arm needs, to size `ab.workers` (arms per GPU) by
         info["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if "steady_ms_per_step" in info["timings"]:

@@ -12,18 +12,23 @@ from .width import param_groups
 
 
 class ArmModule(pl.LightningModule):
-    def __init__(self, recipe, optimizer: str, kernels, vocab_size: int, sink):
+    def __init__(self, recipe, optimizer: str, kernels, vocab_size: int, sink, step_graph=None):
+        """`step_graph`: a train/stepgraph.StepGraph to run each step's forward, backward and gradient norms
+        through (train/arm.step_graph_for says which arms get one), or None."""
         super().__init__()
         self.automatic_optimization = False
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
+        self.step_graph = step_graph
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
+        # Inside a whole-step graph the body's own cudagraph trees cannot run (no nested capture): plain inductor.
+        self.cudagraphs = uses_cudagraphs(recipe.train.compile) and step_graph is None
         if recipe.train.compile:
-            self.model.compile_body(recipe.train.compile)
-        self.cudagraphs = uses_cudagraphs(recipe.train.compile)
+            self.model.compile_body(recipe.train.compile, cudagraphs=self.cudagraphs)
         self.step_no = 0
         groups = [PARAM_GROUPS.index(self.model.param_group(n)) for n, _ in self.model.named_parameters()]
         self.register_buffer("group_of", torch.tensor(groups), persistent=False)  # moves to the device with the module
         self.prev = None  # parameter copies for the update-to-weight ratio
+        self.params = None  # the parameters in order, listed once (at the first step, on the device)
 
     def configure_optimizers(self):
         cfg = self.recipe.optimizers[self.opt_name]
@@ -45,18 +50,15 @@ class ArmModule(pl.LightningModule):
         self.sink.before_step(self, step)
         opt = self.optimizers()
         sched = self.lr_schedulers()
-        params = list(self.model.parameters())
+        if self.params is None:
+            self.params = list(self.model.parameters())
+        params = self.params
         if self.prev is None:
             self.prev = [p.detach().clone() for p in params]
-        opt.zero_grad(set_to_none=True)
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs may be reused
-        loss = self.model(x, y)
-        self.manual_backward(loss)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        gnorm = self._group_norms(grads)
-        if self.recipe.train.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.recipe.train.grad_clip)
+        if self.step_graph is not None:
+            loss, gnorm = self.step_graph(self._forward_backward, x, y)  # fresh copies of the graph's outputs
+        else:
+            loss, gnorm = self._forward_backward(x, y)
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
@@ -65,8 +67,8 @@ class ArmModule(pl.LightningModule):
             deltas = torch._foreach_sub(now, self.prev)
             ratio = self._group_norms(deltas) / self._group_norms(self.prev).clamp_min(1e-30)
             torch._foreach_copy_(self.prev, now)
-        # A copy: under CUDA graphs the loss lives in the graph's memory, rewritten by the next replay, and the
-        # recorder holds it until its next flush.
+        # A copy under cudagraph trees: the loss lives in the graph's memory, rewritten by the next replay, and the
+        # recorder holds it until its next flush (a step graph's outputs are copies already).
         self.sink.after_step(self, step, loss.detach().clone() if self.cudagraphs else loss.detach(), gnorm, ratio,
                              lr)
         self.step_no += 1
@@ -74,6 +76,21 @@ class ArmModule(pl.LightningModule):
             # Only for a visible progress bar: Lightning turns progress-bar values into Python floats every step,
             # a device sync that stalls a GPU arm's queue.
             self.log("loss", loss.detach(), prog_bar=True, on_step=True, logger=False)
+
+    def _forward_backward(self, x, y):
+        """Gradients of this step's loss in every parameter's `.grad`; returns (loss, per-group gradient norms).
+        Under a step graph this is what is captured: device work only, no host syncs."""
+        params = self.params
+        self.optimizers().zero_grad(set_to_none=True)  # before a capture: the graph's backward then owns the grads
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs may be reused
+        loss = self.model(x, y)
+        self.manual_backward(loss)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        gnorm = self._group_norms(grads)
+        if self.recipe.train.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.recipe.train.grad_clip)
+        return loss, gnorm
 
     def on_train_end(self):
         # The last evaluation and snapshot, while the model is still on the device: after `fit`, Lightning's

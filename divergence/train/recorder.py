@@ -52,7 +52,7 @@ class Recorder:
         # Where an arm's time goes (arm.json `timings`): evaluations, snapshots, and the steady rate between the
         # first and last flush (each flush syncs the device, so those two instants are real, not launch times).
         self.t = {"eval_s": 0.0, "snapshot_s": 0.0, "files_s": 0.0, "evals": 0, "snapshots": 0}
-        self.sync_points = []  # (steps done, perf_counter) at each flush
+        self.sync_points = []  # (steps done, perf_counter, host seconds in evaluations and files so far) per flush
         self.finished = False
 
     def watch_nonfinite(self, kernels):
@@ -65,7 +65,10 @@ class Recorder:
         outs = out if isinstance(out, tuple) else (out,)
         bad = torch.stack([~torch.isfinite(o).all() for o in outs if isinstance(o, torch.Tensor)]).any()
         flag = self.nonfinite.get(slot)
-        self.nonfinite[slot] = bad if flag is None else (flag | bad)
+        if flag is None:
+            self.nonfinite[slot] = bad
+        else:  # in place: replayed in a step graph (train/stepgraph.py), an or into a new tensor kept one step only
+            flag.logical_or_(bad)
 
 
     def before_step(self, module, step: int):
@@ -110,7 +113,7 @@ class Recorder:
             self._write_files()
             return
         losses = torch.stack([p[1].float() for p in self.pending]).cpu().tolist()  # the sync
-        self.sync_points.append((self.pending[-1][0] + 1, time.perf_counter()))
+        self.sync_points.append((self.pending[-1][0] + 1, time.perf_counter(), self._aside_s()))
         gn = torch.stack([p[2] for p in self.pending]).cpu().tolist()
         ur = torch.stack([p[3] for p in self.pending]).cpu().tolist()
         flags = {s: bool(f) for s, f in self.nonfinite.items()}
@@ -167,11 +170,17 @@ class Recorder:
         (evaluations, snapshots and lockstep included: everything the harness does per step, nothing done once)."""
         out = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.t.items() if k != "fit_called"}
         if len(self.sync_points) >= 2:
-            (s0, t0), (s1, t1) = self.sync_points[0], self.sync_points[-1]
+            (s0, t0, a0), (s1, t1, a1) = self.sync_points[0], self.sync_points[-1]
             if s1 > s0:
                 out["steady_ms_per_step"] = 1e3 * (t1 - t0) / (s1 - s0)
                 out["steady_steps"] = s1 - s0
+                # The same window less the host's time in evaluations, snapshots and file writes: the training
+                # step alone, what a bare loop without evaluations is like for like with (`make bench`).
+                out["steady_train_ms_per_step"] = 1e3 * (t1 - t0 - (a1 - a0)) / (s1 - s0)
         return out
+
+    def _aside_s(self) -> float:
+        return self.t["eval_s"] + self.t["snapshot_s"] + self.t["files_s"]
 
     def finish(self, module):
         """State after the last update: a last validation row and snapshot."""

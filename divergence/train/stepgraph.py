@@ -1,0 +1,112 @@
+"""One training step's forward, backward and gradient norms replayed as a single CUDA graph.
+
+Why: on one H200 (2026-11-26, `make bench --profile`) the harness's SGD arm stepped in 7.79 ms with its device
+busy 6.88 ms of it: the rest was the host, launching 76 kernels a step around the body's two CUDA graphs (the
+eager embedding and its slot backward, the gradient norms, the optimizer) and keeping inductor's cudagraph trees'
+books. Captured whole, the step's forward and backward cost one launch.
+
+What is captured: whatever `fn` does (the module's zero_grad, forward, backward and per-group gradient norms).
+What is not: the optimizer step and the learning-rate schedule (their step counts and learning rates are host
+values, which a graph would freeze at capture), the update ratios, the recorder, evaluations and snapshots. The
+optimizer therefore runs exactly as in an arm without the graph, which keeps every arm's update the same code.
+
+Who: only arms that run no candidate code (train/arm.step_graph_for): a candidate inside a CUDA graph could sync,
+allocate, or cache by tensor identity (replayed, such a kernel would silently repeat its captured work), so the
+candidate's arm runs as written, its body under inductor's cudagraph trees as before. The graph replays the very
+kernels the arm would launch eagerly, so its numbers are the eager step's (tests/test_stepgraph.py, on a GPU).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+
+class StepGraph:
+    """`graph(fn, *inputs)`: `fn(*inputs)` eagerly for `warmup` calls (compilation, autotuning, lazy state), the
+    last of them on the capture stream, then captured once and replayed on every later call with `inputs` copied
+    into the captured ones. Returns fresh copies of `fn`'s tensor outputs (a replay rewrites the captured ones).
+
+    If capture fails (an op that cannot be captured, e.g. one that syncs), the graph is given up with its reason
+    in `off` and every later call runs `fn` eagerly: the step the capture was for is then run eagerly too, so no
+    step is lost or done twice (nothing of `fn` runs while capturing)."""
+
+    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None):
+        self.warmup = warmup
+        self.calls = 0
+        self.graph = None
+        self.static_inputs = None
+        self.static_outputs = None
+        self.off: Optional[str] = None  # why the graph was given up, if it was
+        self.captured_at: Optional[int] = None  # the call (0-based) that was captured
+        self.capture_s: Optional[float] = None
+        self._capture = capture or _cuda_capture  # (fn, inputs, stream) -> (graph, outputs); injectable for tests
+        self._stream = None
+
+    def __call__(self, fn: Callable, *inputs):
+        call, self.calls = self.calls, self.calls + 1
+        if self.off is not None:
+            return fn(*inputs)
+        if self.graph is not None:
+            for dst, src in zip(self.static_inputs, inputs):
+                dst.copy_(src, non_blocking=True)
+            self.graph.replay()
+            return _fresh(self.static_outputs)
+        if call < self.warmup - 1:
+            return fn(*inputs)
+        if call == self.warmup - 1:
+            return self._on_side_stream(fn, inputs)
+        return self._capture_and_replay(fn, inputs, call)
+
+    def _on_side_stream(self, fn, inputs):
+        # The last warm-up on the stream capture will use: cuBLAS and cuDNN keep per-stream state (workspaces,
+        # plans), which must not be first created while capturing.
+        self._stream = _side_stream()
+        if self._stream is None:
+            return fn(*inputs)
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            out = fn(*inputs)
+        current.wait_stream(self._stream)
+        return out
+
+    def _capture_and_replay(self, fn, inputs, call: int):
+        t0 = time.perf_counter()
+        static = tuple(x.clone() for x in inputs)
+        try:
+            graph, outputs = self._capture(fn, static, self._stream)
+        except Exception as e:  # give the graph up; this step and the rest run eagerly
+            self.off = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+            return fn(*inputs)
+        self.graph, self.static_inputs, self.static_outputs = graph, static, outputs
+        self.captured_at, self.capture_s = call, time.perf_counter() - t0
+        graph.replay()  # capturing ran nothing: this step is done by its first replay
+        return _fresh(outputs)
+
+    def describe(self) -> dict:
+        """For arm.json `timings`: whether and where the step was captured, or why not."""
+        if self.off is not None:
+            return {"step_graph": f"off ({self.off})"}
+        if self.graph is None:
+            return {"step_graph": f"not captured (the arm ended within its {self.warmup} warm-up steps)"}
+        return {"step_graph": f"captured at step {self.captured_at}", "step_graph_capture_s": round(self.capture_s, 3)}
+
+
+def _side_stream():
+    return torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
+def _cuda_capture(fn, inputs, stream):
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA calls (a data loader's, a watchdog's) must not void this capture.
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        outputs = fn(*inputs)
+    return graph, outputs
+
+
+def _fresh(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)

@@ -1,0 +1,114 @@
+"""The step graph (train/stepgraph.py): which arms get one, its warm-up, capture, replay and give-up on the CPU
+through a stand-in for CUDA's capture, and on a GPU an arm with it against the same arm without."""
+import pytest
+import torch
+
+from divergence.candidates.resolve import build_kernels
+from divergence.recipe import load_recipe
+from divergence.train.arm import ArmSpec, run_arm, step_graph_for
+from divergence.train.metrics import read_json, read_metrics
+from divergence.train.stepgraph import StepGraph
+
+
+class _FakeGraph:
+    """CUDA's capture stood in for: replay() runs the captured function on the captured inputs, into the captured
+    outputs (as a real replay rewrites them)."""
+
+    def __init__(self, fn, inputs, outputs):
+        self.fn, self.inputs, self.outputs, self.replays = fn, inputs, outputs, 0
+
+    def replay(self):
+        self.replays += 1
+        for dst, src in zip(self.outputs, self.fn(*self.inputs)):
+            dst.copy_(src)
+
+
+def _fake_capture(fn, inputs, stream):
+    outputs = tuple(torch.empty_like(o) for o in fn(*inputs))  # shapes only: a real capture runs nothing
+    return _FakeGraph(fn, inputs, outputs), outputs
+
+
+def test_warm_up_then_one_capture_then_replays_of_new_inputs():
+    calls = []
+
+    def fn(x, y):
+        calls.append(x.clone())
+        return x * 2 + y, (x * y).sum()
+
+    g = StepGraph(warmup=3, capture=_fake_capture)
+    for i in range(6):
+        x, y = torch.full((3,), float(i)), torch.ones(3)
+        a, b = g(fn, x, y)
+        assert torch.equal(a, x * 2 + y) and b.item() == 3 * i  # every call answers for its own inputs
+        a.add_(100)  # a copy: the caller's writes must not reach the captured outputs
+    assert g.graph is not None and g.captured_at == 3 and g.graph.replays == 3  # steps 3 (capture), 4 and 5
+    assert g.off is None and g.describe()["step_graph"] == "captured at step 3"
+    assert [c[0].item() for c in calls[:3]] == [0.0, 1.0, 2.0]  # the warm-up ran eagerly, in order
+
+
+def test_a_failed_capture_runs_that_step_eagerly_once_and_gives_the_graph_up():
+    runs = []
+
+    def fn(x):
+        runs.append(x.item())
+        return (x + 1,)
+
+    def capture_that_fails(fn, inputs, stream):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g = StepGraph(warmup=2, capture=capture_that_fails)
+    outs = [g(fn, torch.tensor(float(i)))[0].item() for i in range(5)]
+    assert outs == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert runs == [0.0, 1.0, 2.0, 3.0, 4.0]  # no step lost, none done twice
+    assert g.graph is None and "operation not permitted when stream is capturing" in g.describe()["step_graph"]
+
+
+def test_an_arm_that_ends_in_its_warm_up_says_so():
+    g = StepGraph(warmup=3, capture=_fake_capture)
+    g(lambda x: (x,), torch.zeros(1))
+    assert "warm-up" in g.describe()["step_graph"]
+
+
+def test_only_arms_that_run_no_candidate_code_get_a_step_graph_on_cuda():
+    h200 = load_recipe("h200")
+    ref, null = build_kernels({}), build_kernels({"fused_embed_rmsnorm": "null-1"})
+    zoo = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"})
+    assert isinstance(step_graph_for(h200, ArmSpec("reference", "sgd"), ref, "cuda"), StepGraph)
+    assert isinstance(step_graph_for(h200, ArmSpec("null-1", "adafactor"), null, "cuda"), StepGraph)
+    assert step_graph_for(h200, ArmSpec("candidate", "sgd"), zoo, "cuda") is None
+    # a reference observed by the lockstep check, or a candidate under another arm's name: candidate code runs
+    assert step_graph_for(h200, ArmSpec("x", "sgd", lockstep="fused_embed_rmsnorm"), ref, "cuda") is None
+    assert step_graph_for(h200, ArmSpec("reference", "sgd"), zoo, "cuda") is None
+    assert step_graph_for(h200, ArmSpec("reference", "sgd"), ref, "cpu") is None  # no CUDA graphs on the CPU
+    off = load_recipe("h200", {"train": {"step_graph": False}})
+    assert step_graph_for(off, ArmSpec("reference", "sgd"), ref, "cuda") is None
+    no_graphs = load_recipe("h200", {"train": {"compile": "inductor"}})
+    assert step_graph_for(no_graphs, ArmSpec("reference", "sgd"), ref, "cuda") is None
+
+
+def test_a_cpu_arm_runs_without_a_step_graph(tmp_path, tiny_corpus):
+    r = load_recipe("tiny", {"train": {"steps": 2, "progress": False}})
+    info = run_arm(r, ArmSpec("reference", "sgd"), tmp_path / "a", corpus=tiny_corpus)
+    assert info["status"] == "OK" and "step_graph" not in info["timings"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adafactor"])
+def test_an_arm_with_its_step_graph_trains_as_the_arm_without(tmp_path, tiny_corpus, optimizer):
+    sets = {"train": {"steps": 12, "progress": False, "compile": "inductor+cudagraphs", "device": "cuda",
+                      "val_every": 5, "snapshot_every": 5}}
+    arms = {}
+    for graph in (True, False):
+        r = load_recipe("tiny", {**sets, "train": {**sets["train"], "step_graph": graph}})
+        info = run_arm(r, ArmSpec("null-1", optimizer, {"fused_embed_rmsnorm": "null-1"}), tmp_path / str(graph),
+                       corpus=tiny_corpus)
+        assert info["status"] == "OK", info.get("error")
+        arms[graph] = (info, read_metrics(tmp_path / str(graph) / "metrics.jsonl"))
+    assert arms[True][0]["timings"]["step_graph"] == "captured at step 3"
+    assert "step_graph" not in arms[False][0]["timings"]
+    with_graph = [row["loss"] for row in arms[True][1] if "loss" in row]
+    without = [row["loss"] for row in arms[False][1] if "loss" in row]
+    assert with_graph[0] == without[0]  # the same first step, bit for bit
+    # then atomics (index_add) may round either way: the two stay as close as two runs of one arm
+    assert with_graph == pytest.approx(without, rel=2e-3)
+    assert read_json(tmp_path / "True" / "arm.json")["status"] == "OK"
