@@ -152,7 +152,8 @@ class TrainConfig:
     compile: Optional[str] = None
     # Where `compile` uses CUDA graphs, an arm that runs no candidate code (the reference and nulls) replays each
     # step's forward, backward and gradient norms as one CUDA graph (train/stepgraph.py: why, and what is not
-    # captured); false keeps every arm's body under inductor's cudagraph trees alone.
+    # captured), and every arm's body is compiled without inductor's own CUDA graphs (train/module.py: why);
+    # false keeps every arm's body under inductor's cudagraph trees alone.
     step_graph: bool = True
 
     def validate(self, where):

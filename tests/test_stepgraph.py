@@ -112,3 +112,14 @@ def test_an_arm_with_its_step_graph_trains_as_the_arm_without(tmp_path, tiny_cor
     # then atomics (index_add) may round either way: the two stay as close as two runs of one arm
     assert with_graph == pytest.approx(without, rel=2e-3)
     assert read_json(tmp_path / "True" / "arm.json")["status"] == "OK"
+
+
+def test_under_step_graphs_every_arms_body_is_compiled_without_cudagraph_trees():
+    from divergence.train.module import ArmModule
+
+    zoo = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, {"vocab_size": 512})
+    for step_graph, trees in ((True, False), (False, True)):
+        r = load_recipe("tiny", {"train": {"compile": "inductor+cudagraphs", "step_graph": step_graph}})
+        # the candidate's arm, which never gets a step graph: its body is the others' (one compile, one set of
+        # kernels) unless step graphs are off
+        assert ArmModule(r, "sgd", zoo, 512, sink=None).cudagraphs is trees

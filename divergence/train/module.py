@@ -20,8 +20,11 @@ class ArmModule(pl.LightningModule):
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
         self.step_graph = step_graph
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
-        # Inside a whole-step graph the body's own cudagraph trees cannot run (no nested capture): plain inductor.
-        self.cudagraphs = uses_cudagraphs(recipe.train.compile) and step_graph is None
+        # Under `train.step_graph` every arm's body is plain inductor, the candidate's too: inside a whole-step graph
+        # cudagraph trees cannot run (no nested capture), and one compiled body for all the arms means the arms'
+        # numbers differ by their kernels alone, and the candidate arms read the body from inductor's cache instead
+        # of compiling a second variant (about 10 s more each, on a fresh H200, 2026-11-26).
+        self.cudagraphs = uses_cudagraphs(recipe.train.compile) and not recipe.train.step_graph
         if recipe.train.compile:
             self.model.compile_body(recipe.train.compile, cudagraphs=self.cudagraphs)
         self.step_no = 0
