@@ -112,6 +112,40 @@ def test_an_arm_with_its_step_graph_trains_as_the_arm_without(tmp_path, tiny_cor
     # then atomics (index_add) may round either way: the two stay as close as two runs of one arm
     assert with_graph == pytest.approx(without, rel=2e-3)
     assert read_json(tmp_path / "True" / "arm.json")["status"] == "OK"
+    assert arms[True][0]["timings"]["eval_graph"] == "captured at evaluation 0"
+    vals = {g: [row["val_loss"] for row in rows if "val_loss" in row] for g, (_, rows) in arms.items()}
+    assert len(vals[True]) == 4 and vals[True][0] == vals[False][0]  # before any step: the same kernels
+    assert vals[True] == pytest.approx(vals[False], rel=2e-3)
+
+
+@pytest.mark.gpu
+def test_a_replayed_evaluation_reads_the_weights_as_they_are_now(tiny_corpus):
+    """Under autocast, as in an arm: the replay equals an eager evaluation after the weights moved (a cast cached
+    at capture, or inputs copied at capture, would not)."""
+    from divergence.model import build_model
+
+    r = load_recipe("tiny")
+    model = build_model(r.model, tiny_corpus.vocab_size, build_kernels({}, {"vocab_size": tiny_corpus.vocab_size}),
+                        0).cuda()
+    x = torch.randint(0, tiny_corpus.vocab_size, (4, r.model.seq_len), device="cuda")
+
+    @torch.no_grad()
+    def evaluation():
+        return (model(x, x).double(), torch.log_softmax(model(x[:1]).float(), -1))
+
+    def region(fn):  # one autocast region per call, as Lightning's per training step
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn()
+
+    g = StepGraph(warmup=1, pure=True, unit="evaluation")
+    first = region(lambda: g(evaluation))
+    assert g.graph is not None, g.off
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    replayed, eager = region(lambda: g(evaluation)), region(evaluation)
+    assert not torch.equal(first[0], eager[0])  # the weights moved
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
 
 
 def test_under_step_graphs_every_arms_body_is_compiled_without_cudagraph_trees():
@@ -123,3 +157,19 @@ def test_under_step_graphs_every_arms_body_is_compiled_without_cudagraph_trees()
         # the candidate's arm, which never gets a step graph: its body is the others' (one compile, one set of
         # kernels) unless step graphs are off
         assert ArmModule(r, "sgd", zoo, 512, sink=None).cudagraphs is trees
+
+
+def test_a_pure_function_is_captured_right_after_its_warm_up_and_replayed_from_the_next_call():
+    runs = []
+
+    def evaluation():
+        runs.append(1)
+        return (torch.ones(2) * len(runs),)
+
+    g = StepGraph(warmup=1, pure=True, capture=_fake_capture, unit="evaluation")
+    first = g(evaluation)[0]
+    assert g.graph is not None and g.graph.replays == 0 and g.describe()["step_graph"] == "captured at evaluation 0"
+    assert first.tolist() == [1.0, 1.0]  # the eager run's own answer (the fake capture's dry run came after it)
+    g(evaluation)
+    g(evaluation)
+    assert g.graph.replays == 2  # every later call a replay

@@ -187,6 +187,7 @@ def _add_rates(info: dict, recipe, module, rec, device: str) -> None:
     info["timings"] = rec.timings()
     if module.step_graph is not None:
         info["timings"].update(module.step_graph.describe())
+        info["timings"]["eval_graph"] = module.eval_graph.describe()["step_graph"]
     if device == "cuda":  # what one arm needs, to size `ab.workers` (arms per GPU) by
         info["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if "steady_ms_per_step" in info["timings"]:

@@ -86,9 +86,8 @@ class Recorder:
         t0 = time.perf_counter()
         self.evaluating = True
         try:
-            val = module.evaluate(self.val_batches)
-            self.pending_files.append((self.out / "evals" / f"logp_{step:06d}.npy",
-                                       module.eval_logprobs(self.eval_x)))
+            val, logp = module.evaluation(self.val_batches, self.eval_x)
+            self.pending_files.append((self.out / "evals" / f"logp_{step:06d}.npy", logp))
         finally:
             self.evaluating = False
         self.t["eval_s"] += time.perf_counter() - t0  # host time: the device's runs on behind it

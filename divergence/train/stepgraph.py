@@ -28,12 +28,16 @@ class StepGraph:
     last of them on the capture stream, then captured once and replayed on every later call with `inputs` copied
     into the captured ones. Returns fresh copies of `fn`'s tensor outputs (a replay rewrites the captured ones).
 
+    `pure=True`, for a function whose only effects are its outputs (an evaluation): the last warm-up call is
+    captured right after its eager run, so replays start one call sooner. Not for a training step: capturing
+    rebinds the gradients the eager run left for the optimizer.
+
     If capture fails (an op that cannot be captured, e.g. one that syncs), the graph is given up with its reason
     in `off` and every later call runs `fn` eagerly: the step the capture was for is then run eagerly too, so no
     step is lost or done twice (nothing of `fn` runs while capturing)."""
 
-    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None):
-        self.warmup = warmup
+    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step"):
+        self.warmup, self.pure, self.unit = warmup, pure, unit  # unit: what one call is, for describe()
         self.calls = 0
         self.graph = None
         self.static_inputs = None
@@ -56,8 +60,14 @@ class StepGraph:
         if call < self.warmup - 1:
             return fn(*inputs)
         if call == self.warmup - 1:
-            return self._on_side_stream(fn, inputs)
-        return self._capture_and_replay(fn, inputs, call)
+            out = self._on_side_stream(fn, inputs)
+            if self.pure:
+                self._try_capture(fn, inputs, call)  # the next call is its first replay
+            return out
+        if not self._try_capture(fn, inputs, call):
+            return fn(*inputs)
+        self.graph.replay()  # capturing ran nothing: this step is done by its first replay
+        return _fresh(self.static_outputs)
 
     def _on_side_stream(self, fn, inputs):
         # The last warm-up on the stream capture will use: cuBLAS and cuDNN keep per-stream state (workspaces,
@@ -72,26 +82,27 @@ class StepGraph:
         current.wait_stream(self._stream)
         return out
 
-    def _capture_and_replay(self, fn, inputs, call: int):
+    def _try_capture(self, fn, inputs, call: int) -> bool:
+        """Capture `fn` on copies of `inputs` (True), or give the graph up with the reason (False)."""
         t0 = time.perf_counter()
         static = tuple(x.clone() for x in inputs)
         try:
             graph, outputs = self._capture(fn, static, self._stream)
-        except Exception as e:  # give the graph up; this step and the rest run eagerly
+        except Exception as e:  # give the graph up; this call and the rest run eagerly
             self.off = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
-            return fn(*inputs)
+            return False
         self.graph, self.static_inputs, self.static_outputs = graph, static, outputs
         self.captured_at, self.capture_s = call, time.perf_counter() - t0
-        graph.replay()  # capturing ran nothing: this step is done by its first replay
-        return _fresh(outputs)
+        return True
 
     def describe(self) -> dict:
         """For arm.json `timings`: whether and where the step was captured, or why not."""
         if self.off is not None:
             return {"step_graph": f"off ({self.off})"}
         if self.graph is None:
-            return {"step_graph": f"not captured (the arm ended within its {self.warmup} warm-up steps)"}
-        return {"step_graph": f"captured at step {self.captured_at}", "step_graph_capture_s": round(self.capture_s, 3)}
+            return {"step_graph": f"not captured (the arm ended within its {self.warmup} warm-up {self.unit}s)"}
+        return {"step_graph": f"captured at {self.unit} {self.captured_at}",
+                "step_graph_capture_s": round(self.capture_s, 3)}
 
 
 def _side_stream():
@@ -101,9 +112,17 @@ def _side_stream():
 def _cuda_capture(fn, inputs, stream):
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread's CUDA calls (a data loader's, a watchdog's) must not void this capture.
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+    # Autocast's cache off while capturing (as torch.cuda.graph's notes ask): a weight's cast cached during capture
+    # would live in the graph's memory, never computed, for any eager op after it in the same autocast region. The
+    # same cast kernels run either way; only their reuse within the region is lost.
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), _autocast_uncached():
         outputs = fn(*inputs)
     return graph, outputs
+
+
+def _autocast_uncached():
+    return torch.autocast("cuda", enabled=torch.is_autocast_enabled("cuda"),
+                          dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
 def _fresh(outputs):
