@@ -86,15 +86,20 @@ def test_only_arms_that_run_no_candidate_code_get_a_step_graph_on_cuda():
     assert step_graph_for(no_graphs, ArmSpec("reference", "sgd"), ref, "cuda") is None
 
 
-def test_a_cpu_arm_runs_without_a_step_graph(tmp_path, tiny_corpus):
-    r = load_recipe("tiny", {"train": {"steps": 2, "progress": False}})
-    info = run_arm(r, ArmSpec("reference", "sgd"), tmp_path / "a", corpus=tiny_corpus)
-    assert info["status"] == "OK" and "step_graph" not in info["timings"]
+def test_the_arms_cache_never_builds_the_candidates_kernels():
+    """arm_key runs in the orchestrating process, which never loads candidate code (ab/run.py): the candidate's arm
+    is answered before its kernels are built (a path that does not exist would raise if it were loaded)."""
+    from divergence.ab.share import arm_key
+
+    spec = ArmSpec("candidate", "sgd", {"fused_embed_rmsnorm": "/nonexistent/candidate.py"},
+                   lockstep="fused_embed_rmsnorm")
+    assert arm_key(load_recipe("tiny"), spec, {}) is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adafactor"])
-def test_captured_and_uncaptured_arms_write_the_same_numbers_bit_for_bit(tmp_path, tiny_corpus, optimizer,
+@pytest.mark.parametrize("arm,optimizer", [("null-1", "sgd"), ("null-1", "adamw"), ("null-1", "adafactor"),
+                                           ("reference", "adamw")])
+def test_captured_and_uncaptured_arms_write_the_same_numbers_bit_for_bit(tmp_path, tiny_corpus, arm, optimizer,
                                                                         monkeypatch):
     """With deterministic algorithms (no atomics), an arm with its step and evaluation graphs, the same arm without
     them (the same plain-inductor body) and the arm under cudagraph trees (`train.step_graph: false`) write the same
@@ -106,7 +111,7 @@ def test_captured_and_uncaptured_arms_write_the_same_numbers_bit_for_bit(tmp_pat
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     sets = {"steps": 12, "progress": False, "compile": "inductor+cudagraphs", "device": "cuda", "val_every": 5,
             "snapshot_every": 5}
-    spec = ArmSpec("null-1", optimizer, {"fused_embed_rmsnorm": "null-1"})
+    spec = ArmSpec(arm, optimizer, {"fused_embed_rmsnorm": arm} if arm != "reference" else {})
     real = armmod.step_graph_for
     rows, infos = {}, {}
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -182,3 +187,16 @@ def test_a_pure_function_is_captured_right_after_its_warm_up_and_replayed_from_t
     g(evaluation)
     g(evaluation)
     assert g.graph.replays == 2  # every later call a replay
+
+
+@pytest.mark.gpu
+def test_a_capture_that_syncs_is_given_up_with_its_own_reason_and_the_callers_stream_back():
+    def syncing(x):
+        return (x * float((x * 2).sum().item()),)  # .item() syncs: not allowed while capturing
+
+    x = torch.ones(4, device="cuda")
+    g = StepGraph(warmup=1)
+    outs = [g(syncing, x)[0] for _ in range(3)]
+    assert g.graph is None and "capture failed" in g.off and "previous error" not in g.off, g.off
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert all(torch.equal(o, torch.full((4,), 8.0, device="cuda")) for o in outs)

@@ -89,11 +89,12 @@ def run_ingredients(corpus, device: str) -> dict:
 def arm_key(recipe, spec, shared: dict) -> Optional[tuple]:
     """(key, its ingredients) for an arm that runs no candidate code, else None; `shared`: run_ingredients."""
     from ..candidates.resolve import build_kernels
+    from ..train.arm import runs_no_candidate_code
 
-    from ..train.arm import runs_our_code_only
-
+    if spec.runs_candidate:  # before building its kernels: this process never loads candidate code (ab/run.py)
+        return None
     built = build_kernels(spec.kernels)
-    if not runs_our_code_only(spec, built):
+    if not runs_no_candidate_code(spec, built):
         return None
     kernels = built.describe()
     r = recipe.to_dict()

@@ -100,7 +100,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", model_inv_freq(cfg), persistent=False)
         self.body = self._body  # compile_body replaces it
         self.compiled_embed = None  # and sets this (ops.CompiledEmbed)
-        self._rope_cache = None  # (cos, sin): _rope_tables
+        self._rope_cache = {}  # (S, device) -> (cos, sin): _rope_tables
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -155,10 +155,11 @@ class Transformer(nn.Module):
         The same arithmetic as the slot's reference (slots/rope.py)."""
         if not self.kernels.is_plain("rope"):
             return None
-        cached = self._rope_cache
-        if cached is None or cached[0].shape[-2] != position_ids.shape[-1] or cached[0].device != position_ids.device:
-            self._rope_cache = cached = rope.tables(position_ids, self.inv_freq)
-        return cached
+        key = (position_ids.shape[-1], position_ids.device)
+        # Kept, never replaced: a step or evaluation graph reads these tensors by address.
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope.tables(position_ids, self.inv_freq)
+        return self._rope_cache[key]
 
     def _body(self, x, position_ids, targets, tables=None):
         for block in self.blocks:

@@ -40,7 +40,7 @@ class ArmSpec:
         return self.name == "candidate" or bool(self.lockstep)
 
 
-def runs_our_code_only(spec: ArmSpec, kernels) -> bool:
+def runs_no_candidate_code(spec: ArmSpec, kernels) -> bool:
     """No candidate code anywhere in the arm: not the candidate's arm, and every slot filled by a reference or a null
     (`kernels`: its Kernels). Such an arm may be shared and cached (ab/share.py) and have its step captured as one
     CUDA graph (step_graph_for)."""
@@ -55,7 +55,7 @@ def step_graph_for(recipe, spec: ArmSpec, kernels, device: str):
 
     if device != "cuda" or not recipe.train.step_graph or not uses_cudagraphs(recipe.train.compile):
         return None
-    return StepGraph() if runs_our_code_only(spec, kernels) else None
+    return StepGraph() if runs_no_candidate_code(spec, kernels) else None
 
 
 def resolve_device(recipe) -> str:
@@ -187,7 +187,7 @@ def _add_rates(info: dict, recipe, module, rec, device: str) -> None:
     info["timings"] = rec.timings()
     if module.step_graph is not None:
         info["timings"].update(module.step_graph.describe())
-        info["timings"]["eval_graph"] = module.eval_graph.describe()["step_graph"]
+        info["timings"].update(module.eval_graph.describe("eval_graph"))
     if device == "cuda":  # what one arm needs, to size `ab.workers` (arms per GPU) by
         info["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if "steady_ms_per_step" in info["timings"]:

@@ -116,9 +116,10 @@ class ArmModule(pl.LightningModule):
         if self.eval_graph is None:
             return self.evaluate(batches), self.eval_logprobs(eval_x)
         if self._eval_inputs is None:  # on the device once: a captured evaluation reads them where they are
-            self._eval_inputs = ([(x.to(self.device), y.to(self.device)) for x, y in batches],
+            self._eval_inputs = (batches, eval_x, [(x.to(self.device), y.to(self.device)) for x, y in batches],
                                  eval_x.to(self.device))
-        batches, eval_x = self._eval_inputs
+        assert batches is self._eval_inputs[0] and eval_x is self._eval_inputs[1], "the graph holds the first inputs"
+        batches, eval_x = self._eval_inputs[2:]
         return self.eval_graph(lambda: (self.evaluate(batches), self.eval_logprobs(eval_x)))
 
     # Evaluations run eagerly under `train.compile`: no-grad passes and the one-sequence log-prob batch would each
@@ -129,11 +130,13 @@ class ArmModule(pl.LightningModule):
         """Mean validation loss, a float64 scalar left on the device (the recorder reads it at its next flush)."""
         was = self.model.training
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for x, y in batches:
-            loss = self.model(x.to(self.device), y.to(self.device))
-            total += loss.double()
-        self.model.train(was)
+        try:  # a failed capture of an evaluation is survived (stepgraph): training must go on in training mode
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for x, y in batches:
+                loss = self.model(x.to(self.device), y.to(self.device))
+                total += loss.double()
+        finally:
+            self.model.train(was)
         return total / max(1, len(batches))
 
     @torch.no_grad()
@@ -141,7 +144,9 @@ class ArmModule(pl.LightningModule):
     def eval_logprobs(self, x) -> torch.Tensor:
         was = self.model.training
         self.model.eval()
-        logits = self.model(x.to(self.device))
-        self.model.train(was)
+        try:
+            logits = self.model(x.to(self.device))
+        finally:
+            self.model.train(was)
         return torch.log_softmax(logits.float(), -1)
 

@@ -173,8 +173,8 @@ class Recorder:
             if s1 > s0:
                 out["steady_ms_per_step"] = 1e3 * (t1 - t0) / (s1 - s0)
                 out["steady_steps"] = s1 - s0
-                # The same window less the host's time in evaluations, snapshots and file writes: the training
-                # step alone, what a bare loop without evaluations is like for like with (`make bench`).
+                # The same window less the host's time in evaluations, snapshots and file writes (their device
+                # time, a replayed evaluation's included, stays in): nearer a bare loop without evaluations.
                 out["steady_train_ms_per_step"] = 1e3 * (t1 - t0 - (a1 - a0)) / (s1 - s0)
         return out
 

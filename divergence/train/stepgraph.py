@@ -12,8 +12,9 @@ optimizer therefore runs exactly as in an arm without the graph, which keeps eve
 
 Who: only arms that run no candidate code (train/arm.step_graph_for): a candidate inside a CUDA graph could sync,
 allocate, or cache by tensor identity (replayed, such a kernel would silently repeat its captured work), so the
-candidate's arm runs as written, its body under inductor's cudagraph trees as before. The graph replays the very
-kernels the arm would launch eagerly, so its numbers are the eager step's (tests/test_stepgraph.py, on a GPU).
+candidate's arm runs as written, around the same compiled body (train/module.py). The graph replays the very
+kernels the arm would launch eagerly, so its numbers are the eager step's, bit for bit under deterministic
+algorithms (tests/test_stepgraph.py, on a GPU).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class StepGraph:
 
     If capture fails (an op that cannot be captured, e.g. one that syncs), the graph is given up with its reason
     in `off` and every later call runs `fn` eagerly: the step the capture was for is then run eagerly too, so no
-    step is lost or done twice (nothing of `fn` runs while capturing)."""
+    step is lost or done twice (while capturing, `fn`'s Python runs but none of its device work does)."""
 
     def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step"):
         self.warmup, self.pure, self.unit = warmup, pure, unit  # unit: what one call is, for describe()
@@ -53,7 +54,9 @@ class StepGraph:
         if self.off is not None:
             return fn(*inputs)
         if self.graph is not None:
+            assert len(inputs) == len(self.static_inputs), "a replay takes the captured call's inputs"
             for dst, src in zip(self.static_inputs, inputs):
+                assert dst.shape == src.shape, f"a replay's input is {tuple(src.shape)}, captured {tuple(dst.shape)}"
                 dst.copy_(src, non_blocking=True)
             self.graph.replay()
             return _fresh(self.static_outputs)
@@ -95,14 +98,13 @@ class StepGraph:
         self.captured_at, self.capture_s = call, time.perf_counter() - t0
         return True
 
-    def describe(self) -> dict:
-        """For arm.json `timings`: whether and where the step was captured, or why not."""
+    def describe(self, key: str = "step_graph") -> dict:
+        """For arm.json `timings`, under `key`: whether and where it was captured, or why not."""
         if self.off is not None:
-            return {"step_graph": f"off ({self.off})"}
+            return {key: f"off ({self.off})"}
         if self.graph is None:
-            return {"step_graph": f"not captured (the arm ended within its {self.warmup} warm-up {self.unit}s)"}
-        return {"step_graph": f"captured at {self.unit} {self.captured_at}",
-                "step_graph_capture_s": round(self.capture_s, 3)}
+            return {key: f"not captured (the arm ended within its {self.warmup} warm-up {self.unit}s)"}
+        return {key: f"captured at {self.unit} {self.captured_at}", f"{key}_capture_s": round(self.capture_s, 3)}
 
 
 def _side_stream():
@@ -111,12 +113,26 @@ def _side_stream():
 
 def _cuda_capture(fn, inputs, stream):
     graph = torch.cuda.CUDAGraph()
-    # thread_local: another thread's CUDA calls (a data loader's, a watchdog's) must not void this capture.
-    # Autocast's cache off while capturing (as torch.cuda.graph's notes ask): a weight's cast cached during capture
-    # would live in the graph's memory, never computed, for any eager op after it in the same autocast region. The
-    # same cast kernels run either way; only their reuse within the region is lost.
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), _autocast_uncached():
-        outputs = fn(*inputs)
+    stream = stream or torch.cuda.Stream()
+    first_error = None
+    # The outer stream context puts the caller's stream back however the capture ends: torch.cuda.graph's exit ends
+    # the capture before it restores the stream, and when the capture failed that end raises too, which left the
+    # rest of the arm on the capture stream (seen on one H200, 2026-11-26, with a function that synced).
+    with torch.cuda.stream(stream):
+        try:
+            # thread_local: another thread's CUDA calls (a data loader's, a watchdog's) must not void this capture.
+            # Autocast's cache off while capturing (as torch.cuda.graph's notes ask): a weight's cast cached during
+            # capture would live in the graph's memory, never computed, for any eager op after it in the same
+            # autocast region. The same cast kernels run either way; only their reuse within the region is lost.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                try:
+                    with _autocast_uncached():
+                        outputs = fn(*inputs)
+                except Exception as e:
+                    first_error = e
+                    raise
+        except Exception as e:  # the body's own error, not the "previous error during capture" that ending reports
+            raise (first_error or e) from None
     return graph, outputs
 
 
