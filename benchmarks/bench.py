@@ -521,7 +521,7 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
                           "vs_bare": baseline["ms_per_step"] / h["ms_per_step"],
                           "vs_bare_eager": bare["ms_per_step"] / h["ms_per_step"]}
         train_ms = h["timings"].get("steady_train_ms_per_step")
-        if train_ms:  # the training step alone: the steady window less its evaluations and file writes
+        if train_ms:  # the steady window less the host's time in its evaluations and file writes
             res["harness_train_only"] = {**_rate(train_ms, recipe.tokens_per_step, res["flops_per_step"],
                                                  res["peak_tflops"]), "ms_per_step": train_ms, "steps": h["steps"],
                                          "vs_bare": baseline["ms_per_step"] / train_ms}

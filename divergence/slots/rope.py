@@ -37,13 +37,9 @@ def rotate(q, k, cos, sin) -> tuple:
     return qf * cos + _rotate_half(qf) * sin, kf * cos + _rotate_half(kf) * sin
 
 
-def _rope(q, k, position_ids, inv_freq, dtype):
-    return rotate(q, k, *tables(position_ids, inv_freq, dtype))
-
-
 def reference_from_tables(q, k, cos, sin):
-    """The reference's arithmetic, its fp32 tables given: the model's plain path builds them once per step and
-    shares them between layers (model/transformer.Transformer._rope_tables: why)."""
+    """The reference's arithmetic, its fp32 tables given: the model's plain path builds them once and shares
+    them between layers and steps (model/transformer.Transformer._rope_tables: why)."""
     qo, ko = rotate(q, k, cos, sin)
     return qo.to(q.dtype), ko.to(k.dtype)
 
@@ -53,7 +49,7 @@ def reference(q, k, position_ids, inv_freq):
 
 
 def oracle(q, k, position_ids, inv_freq):
-    return _rope(q, k, position_ids, inv_freq, torch.float64)
+    return rotate(q, k, *tables(position_ids, inv_freq, torch.float64))
 
 
 def make_inputs(gen, device="cpu", batch=2, heads=2, seq=64, head_dim=16, theta=10000.0, dtype=torch.float32):

@@ -2,6 +2,8 @@
 them (gradient norms before the step, update ratios after it) and nothing is clipped unless the recipe asks."""
 from __future__ import annotations
 
+import contextlib
+
 import lightning.pytorch as pl
 import torch
 
@@ -128,25 +130,28 @@ class ArmModule(pl.LightningModule):
     @torch.compiler.set_stance("force_eager")
     def evaluate(self, batches) -> torch.Tensor:
         """Mean validation loss, a float64 scalar left on the device (the recorder reads it at its next flush)."""
-        was = self.model.training
-        self.model.eval()
-        try:  # a failed capture of an evaluation is survived (stepgraph): training must go on in training mode
+        with self._eval_mode():
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for x, y in batches:
                 loss = self.model(x.to(self.device), y.to(self.device))
                 total += loss.double()
-        finally:
-            self.model.train(was)
         return total / max(1, len(batches))
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")
     def eval_logprobs(self, x) -> torch.Tensor:
+        with self._eval_mode():
+            logits = self.model(x.to(self.device))
+        return torch.log_softmax(logits.float(), -1)
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        # Restored however the pass ends: a failed capture of an evaluation is survived (train/stepgraph.py), and
+        # training must go on in training mode.
         was = self.model.training
         self.model.eval()
         try:
-            logits = self.model(x.to(self.device))
+            yield
         finally:
             self.model.train(was)
-        return torch.log_softmax(logits.float(), -1)
 
