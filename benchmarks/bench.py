@@ -5,7 +5,7 @@ Measured in one process on one device (GPU when there is one), with the recipe's
                untied head, bf16 autocast on CUDA), same initial weights and batches as the harness: ms/step
     harness    one arm through `run_arm` (reference kernels, SGD, Lightning, per-step metrics, evaluations,
                snapshots): steady ms/step from the arm's own timings (between its first and last metrics flush,
-               both device syncs), its one-time costs, and end-to-end tokens/s; then one arm under each other
+               on the device's clock: CUDA events on a GPU), its one-time costs, and end-to-end tokens/s; then one arm under each other
                optimizer of the recipe's `ab.optimizers` (--optimizers), steady ms/step
     lockstep   a candidate arm (a fast correct kernel in fused_embed_rmsnorm, so the figure is the check's cost) with
                the lockstep check every `ab.lockstep_every` steps, against the same arm without it: extra ms/step
@@ -227,7 +227,7 @@ def bare_loop(recipe, corpus, vocab, device, precision, steps, warmup, backend=N
 def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, kernels=None, optimizer="sgd",
                 callbacks=()) -> dict:
     """One arm of `steps` steps through run_arm, in this process. Its steady ms/step comes from the arm's own
-    timings (between the first and last metrics flush, each a device sync): evaluations, snapshots, metrics and
+    timings (between the first and last metrics flush, on the device's clock): evaluations, snapshots, metrics and
     lockstep included, one-time costs (Lightning's set-up, the first steps, the final evaluation) not."""
     from divergence.recipe import recipe_from_dict
     from divergence.detect.lockstep import Lockstep

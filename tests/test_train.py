@@ -137,7 +137,7 @@ def test_adafactor_step_launches_few_ops_whatever_the_parameter_count():
 
 
 def test_arm_records_where_its_time_goes(tmp_path):
-    info, _ = _run(tmp_path, "timed", "sgd", steps=10, val_every=4)
+    info, _ = _run(tmp_path, "timed", "sgd", steps=10, val_every=4, device="cpu")
     t = info["timings"]
     assert info["status"] == "OK"
     assert t["steady_steps"] == 9 and t["steady_ms_per_step"] > 0  # CPU arms flush every step

@@ -208,8 +208,8 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
 
 
 class CompileFirst:
-    """Under `train.compile` one reference or null arm runs alone until it has written its first metrics (the first
-    flush: every 25 steps on a GPU); then the rest start.
+    """Under `train.compile` one reference or null arm runs alone until it has written its first metrics (on a GPU
+    after 50 steps: flushes every 25, each read one flush late); then the rest start.
 
     The arms of a run compile the same graphs (the model after the embedding, where the embedding's slot is the one
     tested; a slot inside the body breaks the graph around any implementation but the plain reference, so there the

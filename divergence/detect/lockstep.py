@@ -199,16 +199,19 @@ class Lockstep:
             tail.append(x.masked_fill(torch.isinf(x), 0).abs().max().to(torch.float64).reshape(1))
         return torch.cat(head + tail)
 
-    def collect_steps(self, steps) -> dict:
-        """Called by the recorder at flush time: step -> that step's lockstep metrics as floats (one copy for all
-        the steps of the flush), with the rule applied."""
+    def stage(self, steps) -> tuple:
+        """Called by the recorder at flush time: (the steps of `steps` that were checked, their packed rows as one
+        device tensor (len, len(keys)) or None), taken out of `rows`; the recorder copies them to the host with the
+        rest of the flush and hands the values to `judge`."""
         have = [s for s in steps if s in self.rows]
-        if not have:
-            return {}
-        packed = torch.stack([self.rows.pop(s) for s in have]).cpu().tolist()
-        out = {}
-        for step, vals in zip(have, packed):
-            vals = dict(zip(self.keys, vals))
+        return have, (torch.stack([self.rows.pop(s) for s in have]) if have else None)
+
+    def judge(self, have, values) -> dict:
+        """step -> that step's lockstep metrics as floats, with the rule applied; `values`: the rows `stage` gave
+        for `have`, flat, as floats."""
+        out, k = {}, len(self.keys)
+        for i, step in enumerate(have):
+            vals = dict(zip(self.keys, values[i * k:(i + 1) * k]))
             vals["lockstep/ratio"] = math.exp(vals["lockstep/ratio"] / max(1.0, vals["lockstep/calls"]))
             wrong = not vals["lockstep/score"] <= 1.0  # some call of the step broke the rule; NaN counts as wrong
             vals["lockstep/wrong"] = float(wrong)
@@ -216,6 +219,11 @@ class Lockstep:
                                  vals["lockstep/ratio"]))
             out[step] = vals
         return out
+
+    def collect_steps(self, steps) -> dict:
+        """`stage` and `judge` at once, waiting for the values (tests and one-off reads)."""
+        have, rows = self.stage(steps)
+        return self.judge(have, rows.flatten().tolist()) if have else {}
 
     def _mutated_input(self):
         if self.mutation is None:

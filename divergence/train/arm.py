@@ -111,7 +111,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
             "vocab_size": vocab, "env": environment(device), "status": "RUNNING"}
     write_json(out / "arm.json", info)
-    rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25)
+    rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25, device=device)
     rec.watch_nonfinite(kernels)
     lockstep = _lockstep(recipe, spec, watcher, kernels, corpus, rec)
     step_graph = step_graph_for(recipe, spec, kernels, device)

@@ -10,6 +10,7 @@ import torch
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs
 from .optim import build_optimizer, lr_lambda
+from .norms import UpdateRatio, group_norms
 from .stepgraph import StepGraph
 from .width import param_groups
 
@@ -36,7 +37,7 @@ class ArmModule(pl.LightningModule):
         self.step_no = 0
         groups = [PARAM_GROUPS.index(self.model.param_group(n)) for n, _ in self.model.named_parameters()]
         self.register_buffer("group_of", torch.tensor(groups), persistent=False)  # moves to the device with the module
-        self.prev = None  # parameter copies for the update-to-weight ratio
+        self.update_ratio = None  # train/norms.UpdateRatio, from the first step (on the device)
         self.params = None  # the parameters in order, listed once (at the first step, on the device)
 
     def configure_optimizers(self):
@@ -46,13 +47,6 @@ class ArmModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, self.recipe.train.steps))
         return [opt], [sched]
 
-    def _group_norms(self, tensors) -> torch.Tensor:
-        """(len(PARAM_GROUPS),) L2 norms, one fused pass (foreach) rather than a loop of small kernels."""
-        norms = torch._foreach_norm([t.float() for t in tensors])
-        sq = torch.zeros(len(PARAM_GROUPS), device=norms[0].device)
-        sq.index_add_(0, self.group_of, torch.stack(norms) ** 2)
-        return sq.sqrt()
-
     def training_step(self, batch, _):
         x, y = batch
         step = self.step_no
@@ -61,9 +55,8 @@ class ArmModule(pl.LightningModule):
         sched = self.lr_schedulers()
         if self.params is None:
             self.params = list(self.model.parameters())
-        params = self.params
-        if self.prev is None:
-            self.prev = [p.detach().clone() for p in params]
+        if self.update_ratio is None:
+            self.update_ratio = UpdateRatio(self.params, self.group_of, len(PARAM_GROUPS))
         if self.step_graph is not None:
             loss, gnorm = self.step_graph(self._forward_backward, x, y)  # fresh copies of the graph's outputs
         else:
@@ -71,11 +64,7 @@ class ArmModule(pl.LightningModule):
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
-        with torch.no_grad():
-            now = [p.detach() for p in params]
-            deltas = torch._foreach_sub(now, self.prev)
-            ratio = self._group_norms(deltas) / self._group_norms(self.prev).clamp_min(1e-30)
-            torch._foreach_copy_(self.prev, now)
+        ratio = self.update_ratio()
         # A copy under cudagraph trees: the loss lives in the graph's memory, rewritten by the next replay, and the
         # recorder holds it until its next flush (a step graph's outputs are copies already).
         self.sink.after_step(self, step, loss.detach().clone() if self.cudagraphs else loss.detach(), gnorm, ratio,
@@ -96,7 +85,7 @@ class ArmModule(pl.LightningModule):
         loss = self.model(x, y)
         self.manual_backward(loss)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        gnorm = self._group_norms(grads)
+        gnorm = group_norms(grads, self.group_of, len(PARAM_GROUPS))
         if self.recipe.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.recipe.train.grad_clip)
         return loss, gnorm

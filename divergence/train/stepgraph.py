@@ -132,8 +132,21 @@ def _cuda_capture(fn, inputs, stream):
                     first_error = e
                     raise
         except Exception as e:  # the body's own error, not the "previous error during capture" that ending reports
+            _end_generator_capture(stream)
             raise (first_error or e) from None
     return graph, outputs
+
+
+def _end_generator_capture(stream):
+    """Takes torch's CUDA generators out of capture mode after a failed capture: their capture ends only when a
+    capture ends cleanly, and until then every random op outside a graph raises "Offset increment outside graph
+    capture encountered unexpectedly" (seen on one H200, 2026-11-26, after a capture that synced). A one-op capture
+    that succeeds ends it."""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            torch.zeros(1, device=stream.device).add_(1)
+    except Exception:  # best effort: the failed capture's own error is the one to report
+        pass
 
 
 def _autocast_uncached():
