@@ -75,7 +75,8 @@ def test_timings_between_first_and_last_flush(tmp_path):
 
 
 def _arm(tmp_path, name, kernels=None, steps=8):
-    r = load_recipe("tiny", {"train": {"steps": steps, "progress": False}})
+    """A CPU arm (bitwise repeatable there, also on a machine with a GPU)."""
+    r = load_recipe("tiny", {"train": {"steps": steps, "progress": False, "device": "cpu"}})
     info = run_arm(r, ArmSpec(name, "sgd", kernels or {}), tmp_path / name, progress=False)
     return info, read_metrics(tmp_path / name / "metrics.jsonl")
 
