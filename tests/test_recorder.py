@@ -65,13 +65,24 @@ def test_a_stop_reads_the_flushes_still_in_flight_first(tmp_path):
     assert [r["step"] for r in _rows(tmp_path)] == [0, 1, 2, 3]  # the in-flight flush's rows too
 
 
-def test_timings_between_first_and_last_flush(tmp_path):
+def test_timings_between_first_and_last_flush_less_the_time_aside(tmp_path):
     rec = _recorder(tmp_path, steps=6, lag=1)
     for s in range(6):
+        if s == 3:  # an evaluation inside the window (steps 2..5), 0.5 s long on the host clock
+            rec.aside.append((0.0, 0.5))
         _feed(rec, s, 1.0)
     t = rec.timings()
     assert t["steady_steps"] == 4 and t["steady_ms_per_step"] > 0
-    assert t["steady_train_ms_per_step"] <= t["steady_ms_per_step"]
+    assert t["steady_train_ms_per_step"] == pytest.approx(t["steady_ms_per_step"] - 1e3 * 0.5 / 4)
+
+
+def test_close_after_a_crash_reads_what_is_in_flight_and_returns_its_stop(tmp_path):
+    rec = _recorder(tmp_path, steps=8, lag=1)
+    _feed(rec, 0, 1.0), _feed(rec, 1, float("nan"))  # staged, unread
+    _feed(rec, 2, 3.0)  # pending: the crash comes before its flush
+    stop = rec.close()
+    assert stop is not None and (stop.status, stop.step) == ("NAN", 1)
+    assert [r["step"] for r in _rows(tmp_path)] == [0, 1, 2]
 
 
 def _arm(tmp_path, name, kernels=None, steps=8):
@@ -104,6 +115,24 @@ def test_an_arm_read_late_still_stops_at_the_candidates_first_nan(tmp_path, monk
     info, rows = _arm(tmp_path, "nan", kernels={"swiglu": str(bad)}, steps=10)
     assert info["status"] == "NAN" and info["stop_step"] == 0 and "swiglu" in info["stop_where"]
     assert json.loads((tmp_path / "nan" / "arm.json").read_text())["status"] == "NAN"
+
+
+def test_a_nan_seen_late_is_still_the_arms_status_when_a_crash_follows(tmp_path, monkeypatch):
+    """The candidate's NaN comes first, its crash 8 calls later, before the NaN's flush is read: NAN at step 0, and
+    the crash is said beside it."""
+    bad = tmp_path / "nan_then_boom.py"
+    bad.write_text("from divergence.slots.swiglu import reference\n"
+                   "calls = [0]\n"
+                   "def run(gate, up):\n"
+                   "    calls[0] += 1\n"
+                   "    if calls[0] == 9:\n"
+                   "        raise RuntimeError('boom at call 9')\n"
+                   "    return reference(gate, up) * float('nan')\n")
+    monkeypatch.setattr(recorder_mod, "clock_for", lambda device: _LateHostClock)
+    info, rows = _arm(tmp_path, "late", kernels={"swiglu": str(bad)}, steps=10)
+    assert (info["status"], info["stop_step"]) == ("NAN", 0), info
+    assert "boom at call 9" in info["crash_after_stop"] and "error" not in info
+    assert rows and rows[0]["step"] == 0
 
 
 @pytest.mark.gpu

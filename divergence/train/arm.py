@@ -176,9 +176,12 @@ def _fit(trainer, module, rec, recipe, batches, device: str, info: dict) -> None
         rec.writer.close()
         info.update(status=e.status, stop_step=e.step, stop_where=e.where)
     except Exception as e:  # a candidate that raises: the arm ends, the run goes on
-        rec.close()
-        info.update(status="CRASH", error=f"{type(e).__name__}: {e}".splitlines()[0][:500],
-                    traceback=traceback.format_exc()[-4000:])
+        stop = rec.close()
+        crash = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+        if stop is not None:  # a NaN came first, seen only now (a GPU arm reads its metrics one flush late)
+            info.update(status=stop.status, stop_step=stop.step, stop_where=stop.where, crash_after_stop=crash)
+        else:
+            info.update(status="CRASH", error=crash, traceback=traceback.format_exc()[-4000:])
 
 
 def _add_rates(info: dict, recipe, module, rec, device: str) -> None:

@@ -132,13 +132,18 @@ class Recorder:
         every flush still in flight is read too (no computed row is lost)."""
         if self.pending or self.pending_files:
             self.in_flight.append(self._stage())
-        keep, stop = (0 if final else self.lag), None
+        stop = self._read(0 if final else self.lag)
+        if stop is not None:
+            raise stop
+
+    def _read(self, keep: int):
+        """Settles the flushes in flight but the last `keep` (all once a stop shows); the first stop, or None."""
+        stop = None
         while len(self.in_flight) > keep:
             found = self._settle(self.in_flight.pop(0))
             if found is not None:
                 stop, keep = stop or found, 0
-        if stop is not None:
-            raise stop
+        return stop
 
     def _stage(self) -> _Batch:
         """Packs the pending steps' device values into one tensor and starts its copy to the host, and the files'."""
@@ -203,12 +208,19 @@ class Recorder:
 
     def close(self):
         """After a crash: the steps, evaluations and snapshots already computed still reach the disk (best effort:
-        a device left broken by the candidate may refuse the copy)."""
+        a device left broken by the candidate may refuse the copy). Returns the first ArmStopped their rows show, or
+        None: read one flush late, a NaN can come before the crash and be seen only here."""
+        stop = None
         try:
-            self.flush(final=True)
-        except Exception:  # ArmStopped included: the arm's status is already decided by the crash
+            stop = self._read(0)  # what is in flight first: should packing the rest fail, these rows still land
+            if self.pending or self.pending_files:
+                self.in_flight.append(self._stage())
+            later = self._read(0)
+            stop = stop or later
+        except Exception:  # best effort, as said
             pass
         self.writer.close()
+        return stop
 
     def _write_files(self, files):
         """A flush's evaluations and snapshots, to disk (their copies have landed: no stall)."""

@@ -143,7 +143,7 @@ def _end_generator_capture(stream):
     capture encountered unexpectedly" (seen on one H200, 2026-11-26, after a capture that synced). A one-op capture
     that succeeds ends it."""
     try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream, capture_error_mode="thread_local"):
             torch.zeros(1, device=stream.device).add_(1)
     except Exception:  # best effort: the failed capture's own error is the one to report
         pass
