@@ -5,8 +5,8 @@ Measured in one process on one device (GPU when there is one), with the recipe's
                untied head, bf16 autocast on CUDA), same initial weights and batches as the harness: ms/step
     harness    one arm through `run_arm` (reference kernels, SGD, Lightning, per-step metrics, evaluations,
                snapshots): steady ms/step from the arm's own timings (between its first and last metrics flush,
-               on the device's clock: CUDA events on a GPU), its one-time costs, and end-to-end tokens/s; then one arm under each other
-               optimizer of the recipe's `ab.optimizers` (--optimizers), steady ms/step
+               on the device's clock: CUDA events on a GPU), its one-time costs, and end-to-end tokens/s; then
+               one arm under each other optimizer of the recipe's `ab.optimizers` (--optimizers), steady ms/step
     lockstep   a candidate arm (a fast correct kernel in fused_embed_rmsnorm, so the figure is the check's cost) with
                the lockstep check every `ab.lockstep_every` steps, against the same arm without it: extra ms/step
     soak       with --soak, the wall time of the default `divergence ab --kernel fused_embed_rmsnorm` on the recipe
@@ -521,7 +521,7 @@ def run_bench(recipe_name: str, steps=None, warmup=None, lockstep=True, lockstep
                           "vs_bare": baseline["ms_per_step"] / h["ms_per_step"],
                           "vs_bare_eager": bare["ms_per_step"] / h["ms_per_step"]}
         train_ms = h["timings"].get("steady_train_ms_per_step")
-        if train_ms:  # the steady window less the host's time in its evaluations and file writes
+        if train_ms:  # the steady window less its evaluations, snapshots and file writes (recorder.timings)
             res["harness_train_only"] = {**_rate(train_ms, recipe.tokens_per_step, res["flops_per_step"],
                                                  res["peak_tflops"]), "ms_per_step": train_ms, "steps": h["steps"],
                                          "vs_bare": baseline["ms_per_step"] / train_ms}
@@ -679,8 +679,8 @@ def format_table(res: dict) -> str:
                    if res.get("bare_compiled") else "the bare loop's tokens/s")
         alone = res.get("harness_train_only")
         if alone:
-            against += (f"; {alone['vs_bare']:.2f}x with the training steps alone (the steady window less the "
-                        "host's time in its evaluations and file writes)")
+            against += (f"; {alone['vs_bare']:.2f}x with the training steps alone (the steady window less its "
+                        "evaluations, snapshots and file writes)")
         lines.append(f"harness vs bare: {h['vs_bare']:.2f}x {against} (steady); one-time cost "
                      f"{h['fixed_s']:.1f} s (set-up {t.get('setup_s', 0):.1f} s, Lightning to first step "
                      f"{t.get('fit_start_s', 0):.1f} s, final evaluation {t.get('finish_s', 0):.1f} s); "

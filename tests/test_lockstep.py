@@ -12,6 +12,12 @@ GOOD = [n for n, e in ZOO.items() if e.slot == "fused_embed_rmsnorm" and e.verdi
         and not getattr(e, "gpu_only", False)]
 
 
+def _read(lk, step):
+    """One step's lockstep metrics, as the recorder reads them: staged, copied, judged."""
+    have, rows = lk.stage([step])
+    return lk.judge(have, rows.flatten().tolist())[step]
+
+
 def lockstep_arm(tmp_path, cand, opt, steps):
     """The candidate arm as `ab` plans it: the candidate fills the slot (its outputs drive training) and is checked."""
     r = load_recipe("tiny", {"train": {"steps": steps, "val_every": 1000, "snapshot_every": 0}})
@@ -114,7 +120,7 @@ def test_several_calls_in_one_step_are_judged_call_by_call():
             assert got[k] == pytest.approx(sum(a[j] for a in alone), rel=1e-12), k
         else:
             assert got[k] == pytest.approx(worst[j], rel=1e-12), k
-    out = lk.collect_steps([0])[0]
+    out = _read(lk, 0)
     assert out["lockstep/calls"] == 2
     assert out["lockstep/ratio"] == pytest.approx(math.exp(sum(a[lk.keys.index("lockstep/ratio")] for a in alone) / 2))
 
@@ -129,7 +135,7 @@ def test_per_call_judgement_catches_one_bad_call_among_good_ones():
     lk.mutation = None
     for i, o in calls:
         kernels("rmsnorm", *i)  # the candidate's call, watched
-    row = lk.collect_steps([0])[0]
+    row = _read(lk, 0)
     assert row["lockstep/wrong"] == 1.0, row
     c = max(a["lockstep/err_candidate"] for a in alone)
     r = max(a["lockstep/err_reference"] for a in alone)

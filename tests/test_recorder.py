@@ -43,11 +43,14 @@ def _rows(tmp_path):
 
 def test_rows_are_read_one_flush_late_and_all_reach_the_file(tmp_path):
     rec = _recorder(tmp_path, steps=6, lag=1)
-    _feed(rec, 0, 1.0), _feed(rec, 1, 2.0)  # first flush: staged, not read
+    _feed(rec, 0, 1.0)
+    _feed(rec, 1, 2.0)  # first flush: staged, not read
     assert _rows(tmp_path) == []
-    _feed(rec, 2, 3.0), _feed(rec, 3, 4.0)  # second flush reads the first
+    _feed(rec, 2, 3.0)
+    _feed(rec, 3, 4.0)  # second flush reads the first
     assert [r["step"] for r in _rows(tmp_path)] == [0, 1]
-    _feed(rec, 4, 5.0), _feed(rec, 5, 6.0)  # the last step's flush reads everything
+    _feed(rec, 4, 5.0)
+    _feed(rec, 5, 6.0)  # the last step's flush reads everything
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(6))
     assert [r["loss"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
@@ -57,7 +60,8 @@ def test_rows_are_read_one_flush_late_and_all_reach_the_file(tmp_path):
 
 def test_a_stop_reads_the_flushes_still_in_flight_first(tmp_path):
     rec = _recorder(tmp_path, steps=8, lag=1)
-    _feed(rec, 0, 1.0), _feed(rec, 1, float("nan"))  # staged: the NaN is seen one flush later
+    _feed(rec, 0, 1.0)
+    _feed(rec, 1, float("nan"))  # staged: the NaN is seen one flush later
     _feed(rec, 2, 3.0)
     with pytest.raises(ArmStopped) as e:
         _feed(rec, 3, 4.0)
@@ -78,7 +82,8 @@ def test_timings_between_first_and_last_flush_less_the_time_aside(tmp_path):
 
 def test_close_after_a_crash_reads_what_is_in_flight_and_returns_its_stop(tmp_path):
     rec = _recorder(tmp_path, steps=8, lag=1)
-    _feed(rec, 0, 1.0), _feed(rec, 1, float("nan"))  # staged, unread
+    _feed(rec, 0, 1.0)
+    _feed(rec, 1, float("nan"))  # staged, unread
     _feed(rec, 2, 3.0)  # pending: the crash comes before its flush
     stop = rec.close()
     assert stop is not None and (stop.status, stop.step) == ("NAN", 1)

@@ -220,11 +220,6 @@ class Lockstep:
             out[step] = vals
         return out
 
-    def collect_steps(self, steps) -> dict:
-        """`stage` and `judge` at once, waiting for the values (tests and one-off reads)."""
-        have, rows = self.stage(steps)
-        return self.judge(have, rows.flatten().tolist()) if have else {}
-
     def _mutated_input(self):
         if self.mutation is None:
             return None

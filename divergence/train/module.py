@@ -9,8 +9,8 @@ import torch
 
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs
-from .optim import build_optimizer, lr_lambda
 from .norms import UpdateRatio, group_norms
+from .optim import build_optimizer, lr_lambda
 from .stepgraph import StepGraph
 from .width import param_groups
 
@@ -53,9 +53,8 @@ class ArmModule(pl.LightningModule):
         self.sink.before_step(self, step)
         opt = self.optimizers()
         sched = self.lr_schedulers()
-        if self.params is None:
+        if self.update_ratio is None:  # at the first step, on the device
             self.params = list(self.model.parameters())
-        if self.update_ratio is None:
             self.update_ratio = UpdateRatio(self.params, self.group_of, len(PARAM_GROUPS))
         if self.step_graph is not None:
             loss, gnorm = self.step_graph(self._forward_backward, x, y)  # fresh copies of the graph's outputs
