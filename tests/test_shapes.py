@@ -65,9 +65,9 @@ def test_shipped_fixtures_are_the_generators_output(tmp_path):
 def test_definition_loads_with_its_axes(sol):
     d = load_definition(Path(sol["fp32-returning"]).parent / "definition.json")
     assert d.name == l1_087.NAME and list(d.inputs)[0] == "grad_output"
-    assert d.inputs["rstd"].shape == ("batch_size", "seq_len", "one")
+    assert d.inputs["rstd"].shape == ("batch_size", "seq_len", 1)  # the file's literal "1"
     assert d.outputs["grad_norm_weight"].dtype == "bfloat16"
-    assert d.const_axes() == {"hidden_size": 128, "vocab_size": 4096, "one": 1}  # num_tokens = batch x seq: variable
+    assert d.const_axes() == {"hidden_size": 128, "vocab_size": 4096}  # num_tokens = batch x seq: variable
 
 
 def test_expression_axes_over_constants_are_evaluated(tmp_path):
@@ -87,7 +87,6 @@ def test_expression_axes_over_constants_are_evaluated(tmp_path):
     (lambda d: d.update(outputs={}), "`outputs` must be a non-empty object"),
     (lambda d: d.update(reference="x = 1"), "`reference` must be Python source defining `run`"),
     (lambda d: d.update(reference="def run(:\n"), "reference: syntax error at line 1"),
-    (lambda d: d.update(custom_inputs_entrypoint="make"), "custom_inputs_entrypoint 'make' is not a function"),
 ])
 def test_malformed_definition_is_one_line_naming_the_field(tmp_path, change, message):
     d = raw_definition()

@@ -56,6 +56,9 @@ class Definition:
     custom_inputs_entrypoint: Optional[str] = None  # recorded; the slot's own input generator feeds the checks
     op_type: Optional[str] = None
     description: str = ""
+    # One {axis: size} per line of the problem's workload file (its variable axes; tolerances are not read: the
+    # checks judge a candidate against the reference's own error, never a fixed atol/rtol).
+    workloads: tuple = ()
 
     def const_axes(self) -> dict:
         """Every axis with a known size: the const ones and the expressions over them."""
@@ -102,8 +105,9 @@ def _eval(expr: str, known: dict) -> Optional[int]:
         return None
 
 
-def load_definition(path) -> Definition:
-    """definition.json -> Definition; a one-line DefinitionError naming the file and the field otherwise."""
+def load_definition(path, workload_file=None) -> Definition:
+    """definition.json -> Definition; a one-line DefinitionError naming the file and the field otherwise. Its
+    workloads come from `workload_file`, else a workload file beside it (WORKLOAD_FILES), else there are none."""
     path = Path(path)
     where = str(path)
     raw = _read_object(path, where)
@@ -113,9 +117,49 @@ def load_definition(path) -> Definition:
     axes = _checked_axes(where, raw.get("axes"))
     tensors = {part: _checked_tensors(where, part, raw.get(part), axes) for part in ("inputs", "outputs")}
     ref, entry = _checked_reference(where, raw)
+    wfile = workload_file or next((p for p in (path.parent / n for n in WORKLOAD_FILES) if p.is_file()), None)
     return Definition(name=name, path=where, axes=axes, inputs=tensors["inputs"], outputs=tensors["outputs"],
                       reference=ref, custom_inputs_entrypoint=entry, op_type=raw.get("op_type"),
-                      description=raw.get("description") or "")
+                      description=raw.get("description") if isinstance(raw.get("description"), str) else "",
+                      workloads=load_workloads(wfile, axes) if wfile else ())
+
+
+WORKLOAD_FILES = ("workload.jsonl", "workloads.jsonl")  # looked for beside a definition
+
+
+def load_workloads(path, axes: dict) -> tuple:
+    """A workload file (one JSON object per line: its variable axes' values under `axes`, at the top level or
+    under `workload` as FlashInfer traces write it) -> ({axis: size}, ...) in file order, duplicates dropped.
+    Other fields (uuid, inputs, tolerances) are ignored on purpose. A bad line is one error naming file:line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(path, f"cannot read the workload file: {e.strerror or e}")
+    out, seen = [], set()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        at = f"{path}:{i}"
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            _fail(at, f"not JSON ({e.msg})")
+        got = raw.get("axes", (raw.get("workload") or {}).get("axes")) if isinstance(raw, dict) else None
+        if not isinstance(got, dict):
+            _fail(at, "expected an object with `axes` (or `workload.axes`): {axis name: size}")
+        w = {}
+        for k, v in got.items():
+            if k not in axes:
+                _fail(at, f"axis {k!r} is not among the definition's axes ({', '.join(axes)})")
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                _fail(at, f"axes.{k}: expected a positive integer, got {v!r}")
+            w[k] = v
+        key = tuple(sorted(w.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(w)
+    return tuple(out)
 
 
 def _read_object(path: Path, where: str) -> dict:
@@ -172,13 +216,17 @@ def _checked_shape(where: str, at: str, shape, axes: dict) -> Optional[tuple]:
         return None
     if not isinstance(shape, list):
         _fail(where, f"{at}.shape: expected a list of axis names or null, got {shape!r}")
+    dims = []
     for d in shape:
+        if isinstance(d, str) and d not in axes and d.strip().isdigit():
+            d = int(d)  # a literal dimension: the public files write ["batch_size", "seq_len", "1"]
         if isinstance(d, str):
             if d not in axes:
                 _fail(where, f"{at}.shape: axis {d!r} is not among `axes` ({', '.join(axes)})")
         elif isinstance(d, bool) or not isinstance(d, int) or d <= 0:
             _fail(where, f"{at}.shape: {d!r} is neither an axis name nor a positive size")
-    return tuple(shape)
+        dims.append(d)
+    return tuple(dims)
 
 
 def _checked_reference(where: str, raw: dict) -> tuple:
@@ -190,10 +238,10 @@ def _checked_reference(where: str, raw: dict) -> tuple:
         ast.parse(ref)
     except SyntaxError as e:
         _fail(where, f"reference: syntax error at line {e.lineno}: {e.msg}")
+    # Recorded, not run: the slot's own input generators (real-text ids included) feed every check, and a
+    # definition whose entrypoint lives elsewhere is still a definition.
     entry = raw.get("custom_inputs_entrypoint")
-    if entry is not None and (not isinstance(entry, str) or f"def {entry}" not in ref):
-        _fail(where, f"custom_inputs_entrypoint {entry!r} is not a function defined in `reference`")
-    return ref, entry
+    return ref, entry if isinstance(entry, str) else None
 
 
 # ------------------------------------------------------------------------------------------------------ finding
@@ -276,44 +324,71 @@ def _names_problem(kind: str, got: list, want: list) -> Optional[str]:
 
 def mapping_problem(defn: Definition, contract) -> tuple:
     """(problem in words or None, declared shapes {slot axis: size}) of mapping `defn` onto `contract`."""
+    problem, declared, _ = _map(defn, contract)
+    return problem, declared
+
+
+def workload_shapes(defn: Definition, slot: str) -> list:
+    """Each of the definition's workloads as slot shapes ({slot axis: size}, its constant axes included), in
+    file order; [] where it has no workload file. The definition must map onto `slot` (map_to_slot first)."""
+    from ..slots import SLOTS
+
+    problem, declared, bound = _map(defn, SLOTS[slot])
+    assert problem is None, problem
+    out = []
+    for w in defn.workloads:
+        known = {**defn.const_axes(), **w}
+        for _ in range(len(defn.axes)):
+            for k, a in defn.axes.items():
+                if a["type"] == "expr" and k not in known:
+                    v = _eval(a["expression"], known)
+                    if v is not None:
+                        known[k] = v
+        out.append({**declared, **{a: known[d] for d, a in bound.items() if d in known}})
+    return out
+
+
+def _map(defn: Definition, contract) -> tuple:
+    """(problem or None, declared shapes, {definition axis: slot axis}) of mapping `defn` onto `contract`."""
     if contract.axes is None:
-        return f"slot {contract.name} takes no definitions (no axes declared in its contract)", {}
+        return f"slot {contract.name} takes no definitions (no axes declared in its contract)", {}, {}
     for kind, got, want in (("inputs", list(defn.inputs), list(contract.inputs)),
                             ("outputs", list(defn.outputs), list(contract.outputs))):
         p = _names_problem(kind, got, want)
         if p:
-            return p, {}
+            return p, {}, {}
     const = defn.const_axes()
     bound, back = {}, {}  # definition axis -> slot axis, and the reverse
     for kind, tensors in (("input", defn.inputs), ("output", defn.outputs)):
         for n, t in tensors.items():
             dtype, axes = contract.axes[n]
             if t.dtype != dtype:
-                return f"{kind} {n} is {t.dtype}, the slot's is {dtype}", {}
+                return f"{kind} {n} is {t.dtype}, the slot's is {dtype}", {}, {}
             mine = () if t.shape is None else t.shape
             if len(mine) != len(axes):
                 return (f"{kind} {n} has rank {len(mine)} ({t.describe()}), the slot's has rank {len(axes)} "
-                        f"[{', '.join(map(str, axes))}]"), {}
+                        f"[{', '.join(map(str, axes))}]"), {}, {}
             for d, a in zip(mine, axes):
                 size = d if isinstance(d, int) else const.get(d)
                 if isinstance(a, int):
                     if size != a:
-                        return f"{kind} {n}: axis {d} must be of size {a} (the slot's {list(axes)})", {}
+                        return f"{kind} {n}: axis {d} must be of size {a} (the slot's {list(axes)})", {}, {}
                     continue
                 if isinstance(d, int):
                     bound_key = f"#{d}"
                 else:
                     bound_key = d
                 if bound.setdefault(bound_key, a) != a:
-                    return f"axis {d} stands for both {bound[bound_key]} and {a} of the slot", {}
+                    return f"axis {d} stands for both {bound[bound_key]} and {a} of the slot", {}, {}
                 if back.setdefault(a, bound_key) != bound_key:
-                    return f"the slot's axis {a} is both {back[a].lstrip('#')} and {str(d)} in the definition", {}
+                    return (f"the slot's axis {a} is both {back[a].lstrip('#')} and {d} in the definition",
+                            {}, {})
     declared = {}
     for d, a in bound.items():
         size = int(d[1:]) if d.startswith("#") else const.get(d)
         if size is not None:
             declared[a] = size
-    return None, declared
+    return None, declared, {d: a for d, a in bound.items() if not d.startswith("#")}
 
 
 def map_to_slot(defn: Definition, slot: Optional[str] = None) -> tuple:

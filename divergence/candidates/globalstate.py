@@ -105,3 +105,21 @@ def put_back(before: dict) -> "str | None":
         return None
     restore(before, keys)
     return describe(changed(before, after))
+
+
+# What a candidate may set at import without a word: state that is its own (grad mode and threads are set again by
+# whoever calls it), and the generators, put back after the import (every arm reseeds before it builds its model, so
+# a draw at import would only shift the stream the harness draws next).
+_OWN_AT_IMPORT = ("grad mode", "threads", "CPU random generator", "CUDA random generator")
+
+
+def at_import(before: dict) -> list:
+    """Process-wide settings a candidate's import changed since `before` (a snapshot), each in words. They are
+    left in place (the candidate's arm trains under them, so training judges them); its own and the generators
+    are put back. The compiler's own settings (torch._dynamo / torch._inductor config) are not process-wide
+    numerics and not read here."""
+    after = snapshot()
+    keys = _changed_keys(before, after)
+    restore(before, [k for k in keys if k in _OWN_AT_IMPORT])
+    return [f"sets {w} at import: a process-wide setting that changes every other op in its process (its arm "
+            "trains under it)" for k, w in zip(keys, changed(before, after)) if k not in _OWN_AT_IMPORT]

@@ -35,6 +35,7 @@ from ..errors import CandidateError
 from ..files import JSONFileError, read_json_object
 from ..slots.contract import Contract
 from ..slots.registry import Impl, check_outputs, sha256_of
+from . import globalstate
 from .guard import check_untouched, fingerprint
 
 CUDA_SUFFIXES = (".cu", ".cpp", ".cc", ".cxx")
@@ -44,10 +45,15 @@ _counter = itertools.count()
 def load_candidate(slot: str, spec: str) -> Impl:
     """`spec` (see the module docstring) -> a validated `Impl` with role="candidate".
 
-    Loading is guarded: a candidate that patches torch or the harness while it is imported is refused."""
+    Loading is guarded: a candidate that patches torch or the harness while it is imported is refused; one that
+    changes a process-wide setting (TF32, matmul precision, cuDNN flags, ...) has it named in `meta["settings"]`."""
+    state = globalstate.snapshot()
     before = fingerprint()
     impl = _load(slot, spec)
     check_untouched(before, f"{slot}: candidate {impl.name} ({impl.origin})")
+    settings = globalstate.at_import(state)
+    if settings:
+        impl.meta["settings"] = settings
     return impl
 
 
