@@ -78,3 +78,28 @@ def test_torch_own_tells_a_torch_wrapper_from_a_candidates():
     assert torch_own(mine, torch._disable_dynamo(mine))  # torch's wrapper, torch's file
     assert not torch_own(mine, functools.wraps(mine)(lambda s: s))  # a wrapper in another file
     assert not torch_own(torch.manual_seed, torch._disable_dynamo(mine))  # torch's wrapper around something else
+
+
+@pytest.mark.parametrize("line", ["    _k[grid](x, n, BLOCK=128, waves_per_eu=2)",
+                                  "CONFIGS = [triton.Config({'BLOCK': 64, 'matrix_instr_nonkdim': 16}, num_warps=4)]",
+                                  "    _k[grid](x, n, kpack = 2)"])
+def test_a_triton_kernel_written_for_amd_is_one_line_naming_the_option(tmp_path, line):
+    from divergence.candidates.loader import load_candidate
+    from divergence.errors import CandidateError
+
+    p = tmp_path / "amd.py"
+    p.write_text("import triton\n\n\ndef run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight):\n"
+                 f"{line if line.startswith(' ') else '    pass'}\n\n{'' if line.startswith(' ') else line}\n")
+    with pytest.raises(CandidateError) as e:
+        load_candidate("fused_embed_rmsnorm", str(p))
+    opt = next(o for o in ("waves_per_eu", "matrix_instr_nonkdim", "kpack") if o in line)
+    assert f"written for AMD GPUs: the Triton option {opt} (line" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_amd_option_names_elsewhere_are_not_refused(tmp_path):
+    from divergence.candidates.loader import load_candidate
+
+    p = tmp_path / "ok.py"
+    p.write_text("from divergence.slots.fused_embed_rmsnorm import reference as run\n"
+                 "# triton would take waves_per_eu=2 on AMD\nkpack_count = 2\nif kpack_count == 2:\n    pass\n")
+    assert load_candidate("fused_embed_rmsnorm", str(p)).name == "ok"
