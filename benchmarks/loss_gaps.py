@@ -4,7 +4,7 @@
 
 Signed (arm minus reference, nats): where the candidate's gap grows away from the nulls' late in a run, its loss is
 harmed even if an early transient widened the running-maximum envelope (detect/verdict.envelope). Used for the
-optimizer story in README.md; reads only each arm's metrics.jsonl.
+optimizer story in docs/story.md; reads only each arm's metrics.jsonl.
 """
 from __future__ import annotations
 

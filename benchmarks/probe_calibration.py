@@ -7,7 +7,7 @@ sweep (Triton ones on CUDA, or on the CPU with TRITON_INTERPRET=1); with --nulls
 every slot too. The first probe of a slot may train the capture run (captured families; its time is printed as a
 note); later ones load it from the cache.
 
-Prints a Markdown table (README.md's "Probe calibration"), per-probe wall times, and exits 0 when every row is as
+Prints a Markdown table (docs/probe.md's calibration table), per-probe wall times, and exits 0 when every row is as
 expected, 1 otherwise.
 
     python benchmarks/probe_calibration.py [--device cuda|cpu] [--seed N] [--recipe NAME] [--nulls] [--out DIR]

@@ -4,11 +4,69 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 
 from .errors import UserError
 
 EXIT_PASS, EXIT_ERROR = 0, 2  # 1: a finding (`ab`, `probe` and `soak` return it themselves)
+
+DESCRIPTION = ("Judge a GPU kernel by training: A/B arms of a small transformer on real Zipfian text against the "
+               "reference kernel and null arms, a lockstep check on live inputs, and a probe against a float64 oracle.")
+
+# Each verb's --help ends with these (README.md shows the same commands; tests/test_docs.py parses every line).
+EXAMPLES = {
+    "divergence": """\
+  divergence ab --kernel fused_embed_rmsnorm                  # the slot's demo candidate: a finding, exit 1
+  divergence ab --kernel fused_embed_rmsnorm --candidate my_kernel.py --optimizers sgd,adamw
+  divergence probe --candidate path/to/solution.json          # definition.json beside it names slot and shapes""",
+    "data": """\
+  divergence data stats
+  divergence data stats --recipe h200 --set data.tokenization=word""",
+    "data stats": """\
+  divergence data stats                                       # the small recipe's text (WikiText-2)
+  divergence data stats --recipe h200 --set data.tokenization=word
+  divergence data stats --recipe tiny --set data.source=synthetic""",
+    "train": """\
+  divergence train --recipe tiny --optimizer sgd
+  divergence train --kernel fused_embed_rmsnorm --candidate zoo:embed_sort_segment --out results/train-sort
+  divergence train --recipe small --set train.steps=300 --set optimizers.sgd.lr=0.1""",
+    "ab": """\
+  divergence ab --kernel fused_embed_rmsnorm                  # the demo candidate: the bf16-accumulating kernel
+  divergence ab --kernel fused_embed_rmsnorm --candidate my_kernel.py --recipe small --optimizers sgd,adamw
+  divergence ab --candidate path/to/solution.json --no-wandb  # slot and shapes from definition.json beside it
+  divergence ab --resume results/my-run --set ab.workers=2    # continue a killed run, fewer arms at once""",
+    "soak": """\
+  divergence soak recipes/soaks/demo.yaml
+  divergence soak recipes/soaks/h200-eight.yaml --fresh --no-wandb
+  divergence soak recipes/soaks/demo.yaml --backend ray --ray-address HOST:PORT""",
+    "report": """\
+  divergence report results/my-run                            # report.html again, from the folder's files
+  divergence report results/my-run --wandb                    # and log it to wandb (after ab --no-wandb)""",
+    "probe": """\
+  divergence probe --kernel fused_embed_rmsnorm --candidate zoo:triton_embed_fp32
+  divergence probe --candidate path/to/solution.json
+  divergence probe --kernel fused_embed_rmsnorm --candidate k.py --shape hidden=4096,vocab=65536 --seed 7""",
+}
+
+
+def version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's `__version__`."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("divergence")
+    except metadata.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+def verb(sub, name: str, help: str, key=None):
+    """A subcommand whose --help ends with its EXAMPLES entry (as written: RawDescriptionHelpFormatter)."""
+    return sub.add_parser(name, help=help, description=textwrap.fill(help[:1].upper() + help[1:] + ".", 100),
+                          epilog="Examples:\n" + EXAMPLES[key or name],
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_set(p):
@@ -56,7 +114,8 @@ FRESH_HELP = ("train the reference and null arms again instead of taking them fr
 
 
 def _add_ab(sub):
-    p = sub.add_parser("ab", help="A/B training: candidate vs reference vs null arms, with a verdict")
+    p = verb(sub, "ab", "A/B training: candidate vs reference vs null arms, with a verdict (exit 0 pass, 1 a "
+                        "finding, 3 weights moved only, 2 no judgement)")
     p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless --resume or a "
                                     "definition names it)")
     p.add_argument("--candidate", help="candidate: zoo:NAME, file.py, pkg.mod:fn, file.cu, solution.json "
@@ -77,9 +136,31 @@ def _add_ab(sub):
     p.set_defaults(fn=cmd_ab)
 
 
+def check_paths(args) -> None:
+    """The command line's own paths, checked before anything expensive (torch's import, the fork server, the
+    candidate's loader process): a typo is one line at once. The verbs check everything again in their own words."""
+    from pathlib import Path
+
+    resume, out = getattr(args, "resume", None), getattr(args, "out", None)
+    if resume and not (Path(resume) / "plan.json").is_file():
+        raise UserError(f"{resume}: not a results folder of `divergence ab` (no plan.json)")
+    if resume:
+        return
+    cand = getattr(args, "candidate", None) or ""
+    if cand.endswith((".py", ".cu", ".cpp", ".json")) and ":" not in cand and not Path(cand).is_file():
+        raise UserError(f"candidate {'is a folder, not a file' if Path(cand).is_dir() else 'file not found'}: {cand}")
+    definition = getattr(args, "definition", None)
+    if definition and not Path(definition).is_file():
+        raise UserError(f"--definition {definition}: file not found")
+    if args.cmd == "ab" and out and (Path(out) / "plan.json").exists():
+        raise UserError(f"{out}: already holds an A/B run (plan.json); continue it with --resume {out}, or give "
+                        "another --out")
+
+
 def cmd_ab(args) -> int:
     from .ab.runner import start_server_first
 
+    check_paths(args)
     start_server_first()  # before the imports below, which take seconds on a fresh GPU machine
     from .ab.run import cmd_ab as run_ab
     from .report.publish import after_ab
@@ -99,6 +180,7 @@ def cmd_soak(args) -> int:
 
 
 def cmd_probe(args) -> int:
+    check_paths(args)
     from .detect.probe.run import command
 
     only = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
@@ -117,7 +199,8 @@ def _add_shapes(p):
 
 
 def _add_probe(sub):
-    p = sub.add_parser("probe", help="check a candidate op against its float64 oracle across input families")
+    p = verb(sub, "probe", "check a candidate op against its float64 oracle across input families (exit 0 pass, "
+                           "1 findings, 2 NEEDS-SHAPES or bad input)")
     p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless a definition names it)")
     p.add_argument("--candidate", help="candidate: zoo:NAME, file.py, pkg.mod:fn, file.cu, solution.json, "
                                        "reference, null-1 (default: the slot's demo candidate)")
@@ -139,7 +222,7 @@ def cmd_report(args) -> int:
 
 
 def _add_report(sub):
-    r = sub.add_parser("report", help="report.html and plots of a finished A/B results folder (run by `ab` too)")
+    r = verb(sub, "report", "report.html and plots of a finished A/B results folder (run by `ab` too)")
     r.add_argument("results_dir", metavar="RESULTS_DIR")
     r.add_argument("--wandb", action="store_true", help="also log the folder to wandb (again), e.g. after "
                                                         "`ab --no-wandb` or installing wandb")
@@ -147,27 +230,31 @@ def _add_report(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="divergence", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="divergence", description=textwrap.fill(DESCRIPTION, 100),
+                                 epilog="Examples:\n" + EXAMPLES["divergence"],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="VERB")
 
-    d = sub.add_parser("data", help="data utilities")
+    d = verb(sub, "data", "data utilities")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
-    s = dsub.add_parser("stats", help="corpus statistics: Zipf exponent, top-k shares, contributions per row")
-    s.add_argument("--recipe", default="small")
+    s = verb(dsub, "stats", "corpus statistics: Zipf exponent, top-k shares, contributions per row", "data stats")
+    s.add_argument("--recipe", default="small", help="recipe name or path whose data section is read (default: small)")
     add_set(s)
     s.set_defaults(fn=cmd_data_stats)
 
-    t = sub.add_parser("train", help="train one arm (reference kernels unless --kernel/--candidate)")
-    t.add_argument("--recipe", default="small")
-    t.add_argument("--optimizer")
-    t.add_argument("--kernel")
-    t.add_argument("--candidate")
-    t.add_argument("--out")
+    t = verb(sub, "train", "train one arm (reference kernels unless --kernel/--candidate)")
+    t.add_argument("--recipe", default="small", help="recipe name or path (default: small)")
+    t.add_argument("--optimizer", help="one of the recipe's optimizers (default: the first of ab.optimizers)")
+    t.add_argument("--kernel", help="slot to fill with --candidate, e.g. fused_embed_rmsnorm")
+    t.add_argument("--candidate", help="candidate for --kernel: zoo:NAME, file.py, pkg.mod:fn, file.cu, "
+                                       "solution.json (default: the reference)")
+    t.add_argument("--out", help="folder for metrics.jsonl (default results/train-<recipe>-<optimizer>)")
     add_set(t)
     t.set_defaults(fn=cmd_train)
 
     _add_ab(sub)
-    k = sub.add_parser("soak", help="many candidates x optimizers x seeds as one job (SOAK.yaml)")
+    k = verb(sub, "soak", "many candidates x optimizers x seeds as one job (SOAK.yaml)")
     k.add_argument("soak", nargs="?", help="the soak file (see divergence/ab/soak.py for its keys)")
     k.add_argument("--out", help="results folder (default results/soak-<name>-<time>)")
     k.add_argument("--resume", metavar="RESULTS_DIR", help="continue a killed soak: as ab --resume")
@@ -176,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     add_set(k)  # applied to the soak's recipe, over the soak file's own overrides
     k.add_argument("--fresh", action="store_true", help=FRESH_HELP)
+    k.add_argument("--definitions", metavar="DIR", help="a folder of definitions, searched by each solution's "
+                                                        "`definition` name (over the soak file's `definitions:`)")
     k.set_defaults(fn=cmd_soak)
     _add_report(sub)
     _add_probe(sub)

@@ -376,7 +376,7 @@ from divergence.ab import runner
 seen = []
 runner.start_server_first = lambda: seen.append("torch" in sys.modules) or False
 from divergence.cli import main
-rc = main(["ab", "--candidate", {str(tmp_path / "missing.py")!r}])
+rc = main(["ab", "--candidate", "zoo:no_such_member"])  # past the command line's own checks (cli.check_paths)
 assert rc == 2, rc
 assert seen == [False], seen
 from divergence.ab.share import device_kind
@@ -473,7 +473,7 @@ def test_ab_and_soak_start_the_server_once_they_know_the_device(tmp_path, monkey
 
     asked = []
     monkeypatch.setattr(run, "start_server_early", lambda recipe, device: asked.append(("ab", recipe.name, device)))
-    assert ab(tmp_path / "x", "--candidate", str(tmp_path / "missing.py")) == 2
+    assert ab(tmp_path / "x", "--candidate", "zoo:no_such_member") == 2
     import divergence.ab.runner as runner
 
     monkeypatch.setattr(runner, "start_server_early", lambda recipe, device: asked.append(("soak", recipe.name,

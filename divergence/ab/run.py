@@ -1,6 +1,6 @@
 """`divergence ab`: train reference, candidate and null arms under each optimizer and judge the candidate.
 
-Results folder: `plan.json` (what was asked), `<optimizer>/<arm>/` per arm, `verdict.json` (schema in README.md),
+Results folder: `plan.json` (what was asked), `<optimizer>/<arm>/` per arm, `verdict.json` (schema in docs/results.md),
 `drift.json` (per-bucket drift tables and per-row drift), then the report and wandb runs when available.
 Exit code (detect/verdict.exit_code): 0 PASS, 1 a finding (training harmed, op wrong, NaN, crash or hang of the
 candidate), 3 weights or gradients moved only, 2 error or INCONCLUSIVE.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from ..errors import UserError
 from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, default_recipe_name, load_recipe
 from ..train.metrics import write_json
-from ..detect import distances as compare, verdict
+from ..detect import distances as compare, tripwire, verdict
 from ..detect.buckets import bucket_rows
 from ..detect.probe.run import default_candidate
 from ..detect.probe.shapes import declared_for
@@ -34,21 +33,23 @@ SCHEMA_VERSION = 1
 
 
 def per_gpu(recipe) -> int:
-    """Arms at once on each GPU: `ab.workers`, default 4 (small arms share an H200 well, NOTES: +12% throughput from
-    four)."""
-    return recipe.ab.workers or 4
+    """At most this many arms at once on each GPU (`ab.workers`; auto: ab/memory.AUTO_PER_GPU), fewer where they do
+    not fit in its free memory (ab/memory.py)."""
+    from .memory import per_gpu as cap
+
+    return cap(recipe, "cuda")
 
 
 def _workers(recipe, device: str) -> int:
-    """Arms at once: on CUDA per_gpu per visible GPU; on CPU `ab.workers` in all (default: one per `train.threads`
-    cores, at most 4)."""
+    """Arms at once: on CUDA at most per_gpu per visible GPU; on CPU `ab.workers` in all (auto: one per
+    `train.threads` cores, at most 4)."""
+    from .memory import per_gpu as cap
+
     if device == "cuda":
         from .runner import visible_gpus
 
-        return per_gpu(recipe) * max(1, len(visible_gpus()))
-    if recipe.ab.workers:
-        return recipe.ab.workers
-    return max(1, min(4, (os.cpu_count() or 1) // recipe.train.threads))
+        return cap(recipe, "cuda") * max(1, len(visible_gpus()))
+    return cap(recipe, device)
 
 
 def _load_plan(resume: Path) -> dict:
@@ -76,6 +77,7 @@ def cmd_ab(args, publish=None) -> int:
     run's compare.ArmFiles, hands it the distances the verdict computed."""
     from types import SimpleNamespace
 
+    from ..data import load_corpus
     from ..detect.probe.isolate import load_meta
     from ..train.arm import resolve_device
 
@@ -89,6 +91,8 @@ def cmd_ab(args, publish=None) -> int:
     if opts is None:
         opts = args.optimizers.split(",") if args.optimizers else list(recipe.ab.optimizers)
         check_optimizers(opts, recipe, "--optimizers")
+    # The text before the candidate, the probe and the arms: no text is one line (exit 2) before anything runs.
+    corpus = load_corpus(recipe.data)
     # Loads and checks the candidate's signature before any training, in a child process: this one never runs
     # candidate code, so an import that crashes or hangs is one line (exit 2), not the end of `ab`.
     impl = SimpleNamespace(**load_meta(slot, cand))
@@ -102,8 +106,10 @@ def cmd_ab(args, publish=None) -> int:
         write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=defn.path if defn else None)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
+    for said in getattr(impl, "settings", None) or []:
+        print(f"  note: the candidate {said}", flush=True)
     probe, probing = _start_probe(args, slot, cand, out, recipe, device)
-    corpus, vocab, arms, t0 = _train_arms(args, recipe, slot, cand, opts, out, device)
+    vocab, arms, t0 = _train_arms(args, recipe, slot, cand, opts, out, device, corpus)
     probe, probe_error = _probe_outcome(probe, probing)
     return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error,
                      (t_start, t0))
@@ -162,13 +168,11 @@ def _start_probe(args, slot, cand, out, recipe, device) -> tuple:
     return probe, probing
 
 
-def _train_arms(args, recipe, slot, cand, opts, out, device) -> tuple:
-    """(corpus, vocab, {arm key: arm info}, start time) once every arm is trained, shared or kept."""
-    from ..data import load_corpus
+def _train_arms(args, recipe, slot, cand, opts, out, device, corpus) -> tuple:
+    """(vocab, {arm key: arm info}, start time) once every arm is trained, shared or kept."""
     from ..train.arm import model_vocab
     from .share import ArmsCache, run_shared
 
-    corpus = load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
     jobs = plan_arms(recipe, slot, cand, opts, out, lockstep=recipe.ab.lockstep_every > 0)
     total, t0 = len(jobs), time.time()
@@ -183,7 +187,7 @@ def _train_arms(args, recipe, slot, cand, opts, out, device) -> tuple:
     arms, _ = run_shared(recipe, jobs, corpus, device,
                          lambda todo, done: run_jobs(recipe, todo, corpus, device, workers, on_done=done),
                          ArmsCache.from_env(), fresh=getattr(args, "fresh", False), on_done=on_done)
-    return corpus, vocab, arms, t0
+    return vocab, arms, t0
 
 
 def _probe_outcome(probe, probing) -> tuple:
@@ -220,15 +224,16 @@ def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab,
 
 
 def timing_line(timings: dict, publish_s: float, total_s: float) -> str:
-    """Where the run's time went, in one line: what to shorten first (README, Measured figures)."""
+    """Where the run's time went, in one line: what to shorten first (docs/performance.md)."""
     return (f"time: {total_s:.0f} s in all: {timings['prepare_s']:.0f} s before the arms, {timings['arms_s']:.0f} s "
             f"training arms, {timings['judge_s']:.0f} s judging, {publish_s:.0f} s report and wandb")
 
 
-def _preflight(slot, cand, out, recipe, device):
+def _preflight(slot, cand, out, recipe, device, name: str = ""):
     """The probe of `cand` on the A/B's device, its captured families from the A/B's own recipe (its model, shapes,
     seed and data: captured.cache_folder keys the capture by it), so an A/B at production shapes is probed at its
-    own shapes and magnitudes, not at the probe's default recipe's."""
+    own shapes and magnitudes, not at the probe's default recipe's. `name`: the candidate, in its printed line (a
+    soak probes many)."""
     from dataclasses import replace
 
     from ..detect.probe import run_probe
@@ -239,7 +244,7 @@ def _preflight(slot, cand, out, recipe, device):
     limits = replace(DEFAULT, family_s=min(DEFAULT.family_s, recipe.ab.step_timeout_s))
     res = run_probe(slot, cand, out_dir=out / "probe", device=device, shapes=recipe.shapes or None, limits=limits,
                     recipe=recipe)
-    print(f"  probe: {res['verdict']} ({len(res['findings'])} finding(s))"
+    print(f"  {name + ': ' if name else ''}probe: {res['verdict']} ({len(res['findings'])} finding(s))"
           + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
     return res
 
@@ -254,12 +259,14 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
     """verdict.json's content; `files`: the run's compare.ArmFiles (a fresh one if None)."""
     files = files or compare.ArmFiles()
     buckets, smooth = judge_context(recipe, corpus, vocab)
-    per_opt, drift_tables = {}, {}
+    per_opt, drift_tables, trip = {}, {}, {}
     for opt in opts:
         ref_dir = out / opt / "reference"
         ref_st = arms.get(f"{opt}/reference", {})
         cand_st = arms.get(f"{opt}/candidate", {})
         null_keys = [f"{opt}/null-{k}" for k in range(1, recipe.ab.nulls + 1)]
+        # Before anything is read: are the files those the arms left (detect/tripwire.py)?
+        trip[opt] = tripwire.check(ref_dir, out / opt / "candidate", [out / k for k in null_keys], files.rows)
         sick = health.reference_problem(recipe, opt, ref_st, ref_dir)
         if sick:
             per_opt[opt] = {"verdict": "ERROR", "detail": sick}
@@ -281,14 +288,16 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         drift_tables[opt] = _drift_table(cand_d, null_d, corpus, buckets)
     write_json(out / "drift.json", drift_tables)
     both = verdict.combine(per_opt, probe, lockstep_enabled=recipe.ab.lockstep_every > 0,
-                           probe_enabled=probe is not None or probe_error is not None, probe_error=probe_error)
+                           probe_enabled=probe is not None or probe_error is not None, probe_error=probe_error,
+                           tripwire=trip)
     from ..train.arm import environment, resolve_device
 
     return {
         "schema": SCHEMA_VERSION, "verdict": both["verdict"], "case": both["case"], "summary": both["summary"],
         "signals": both["signals"], "exit_code": verdict.exit_code(both),
         "kernel": slot,
-        "candidate": {"name": impl.name, "origin": impl.origin, "sha256": impl.sha256},
+        "candidate": {"name": impl.name, "origin": impl.origin, "sha256": impl.sha256,
+                      "settings": list(getattr(impl, "settings", None) or [])},
         "recipe": recipe.to_dict(), "optimizers": per_opt,
         "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "lead": recipe.ab.lead,
                  "floors": verdict.FLOORS,
