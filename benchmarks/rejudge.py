@@ -11,10 +11,10 @@ arms themselves are GBs. `judge` takes dumps (several seeds) and judges every kn
 - with --resample N, also each correct arm of a seed (every candidate but the known-bad ones, and every null) as
   the candidate against N random K-subsets of the other correct arms: more judgements from the same runs (they
   share arms, so they are not independent trials).
-The dumps of the 2026-11-23 H200 calibration (README.md, "Calibration on the H200") are in
-benchmarks/calibration/h200-20261123/; the README's table rows come from:
+The dumps of the 2026-11-23 H200 calibration (docs/calibration.md, "The H200 calibration") are in
+benchmarks/calibration/h200-20261123/; the table rows there come from:
     python benchmarks/rejudge.py judge benchmarks/calibration/h200-20261123/*.json.gz --nulls 2 --lead 0
-and the 300-step figures of 2026-11-26 (README "What the verdict promises") from that day's dumps with seed 8's
+and the 300-step figures of 2026-11-26 (docs/calibration.md, "The default length") from that day's dumps with seed 8's
 1000-step arms cut at step 300:
     python benchmarks/rejudge.py judge benchmarks/calibration/h200-20261126/*.json.gz \
         benchmarks/calibration/h200-20261125/*.json.gz --steps 300 --resample 10

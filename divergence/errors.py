@@ -15,3 +15,8 @@ class CandidateError(UserError):
 
 class DataError(UserError):
     """Text or tokenizer that cannot be found or read."""
+
+
+class OutputError(CandidateError):
+    """What a candidate hands training is not what was checked: an output that is more than a plain tensor, one
+    that its next call overwrites, or a hook or gradient it changed beyond its outputs."""

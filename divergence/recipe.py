@@ -78,7 +78,7 @@ class ModelConfig:
     # row norm of embed_init_std * sqrt(d_model), and g itself scales as 1 / embed_init_std (through rstd), so the
     # embedding's SGD learning rate is in effect lr / embed_init_std^2. At 1.0 the rows keep their gradient at the
     # upstream gradient's scale and barely move under SGD; at 0.02 (GPT-2's, and the lab's: NOTES.md) they train,
-    # and an error in their gradient reaches the SGD loss (README.md, "The optimizer story").
+    # and an error in their gradient reaches the SGD loss (docs/story.md).
     embed_init_std: float = 1.0
     tie_embeddings: bool = False  # tie LM head to the embedding (off: the embedding's only consumer is the norm)
     # The width the optimizers' learning rates were written for: at another d_model the hidden matrices' rates
@@ -181,7 +181,9 @@ class ABConfig:
     margin: float = 3.0  # candidate flagged when its distance exceeds margin x the largest null distance ...
     window: int = 3  # ... for this many consecutive compared points
     lead: int = 5  # ... against the envelope as it stands this many steps later (detect/verdict.ahead: why)
-    workers: int = 0  # arms at once: per GPU on CUDA (0 = 4), in all on CPU (0 = one per train.threads cores, <= 4)
+    # Arms at once: on CUDA at most this many per GPU, fewer where they do not fit in its free memory (ab/memory.py);
+    # on the CPU this many in all. auto: 6 per GPU, on the CPU one per train.threads cores (at most 4)
+    workers: typing.Any = "auto"
     step_timeout_s: float = 120.0  # a step slower than this ends the arm with TIMEOUT
     arm_timeout_s: float = 3600.0  # an arm longer than this ends with TIMEOUT
     lockstep_every: int = 1  # the candidate arm checks its op on its live inputs every N steps (0 = off)
@@ -191,6 +193,10 @@ class ABConfig:
     # metrics, reading its compiled graphs from inductor's cache instead of compiling the same ones at once
     # (ab/runner.CompileFirst: why; the local scheduler only, not Ray)
     compile_first: bool = True
+    # Candidates run in a kernel server: a process of their own that sees nothing of the harness (divergence/sandbox).
+    # false: in the process that calls them (the arm, the probe's worker), where the harness's in-process guards
+    # apply instead; the verdict's candidate says which ("isolation")
+    sandbox: bool = True
 
 
 @dataclass
@@ -313,6 +319,9 @@ def recipe_from_dict(raw: dict, where: str = "recipe:", base: Optional[Path] = N
         raise RecipeError(f"{_j(where)}ab.lead: must be >= 0 steps, got {recipe.ab.lead}")
     if recipe.ab.window < 1:
         raise RecipeError(f"{_j(where)}ab.window: must be >= 1, got {recipe.ab.window}")
+    w = recipe.ab.workers
+    if w != "auto" and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise RecipeError(f"{_j(where)}ab.workers: expected auto or a positive integer, got {w!r}")
     if recipe.ab.arm_start not in ARM_STARTS:
         raise RecipeError(f"{_j(where)}ab.arm_start: unknown {recipe.ab.arm_start!r}; known: {', '.join(ARM_STARTS)}")
     return recipe

@@ -167,21 +167,21 @@ def test_vocabulary_smaller_than_tokenizer_is_one_line(tmp_path, capsys):
 
 
 def test_processes_a_candidate_leaves_behind_are_ended(tmp_path, shared_arms, process_state):
-    """A candidate that starts a long-lived process: its arm still finishes, and the leftover process (in the
-    arm's process group) is killed once the arm is done, not left running after the A/B."""
-    pids = tmp_path / "pids.txt"
-    cand = write(tmp_path, "litter.py", f"""import subprocess
+    """A candidate that starts a long-lived process: its arm still finishes, and the leftover process (its kernel
+    server's descendant; in-process, in the arm's process group) is killed once the arm is done, not left running
+    after the A/B."""
+    cand = write(tmp_path, "litter.py", """import subprocess
 _started = []
 def run(gate, up):
     if not _started:
         _started.append(subprocess.Popen(["sleep", "300"]))
-        with open({str(pids)!r}, "a") as f:
-            f.write(f"{{_started[0].pid}}\\n")
+        print(f"STARTED {_started[0].pid}", flush=True)  # into the arm's log: its server writes no file outside its own
     return reference(gate, up)
 """)
     assert ab(tmp_path / "r", cand) == 0
     assert verdict(tmp_path / "r")["verdict"] == "PASS"
-    left = [int(p) for p in pids.read_text().split()]
+    log = (tmp_path / "r" / "sgd" / "candidate" / "stdout.log").read_text()
+    left = [int(line.split()[1]) for line in log.splitlines() if line.startswith("STARTED ")]
     assert left  # the candidate ran (in the candidate arm only: its lockstep check rides there)
     time.sleep(1)
     running = {pid: process_state(pid) for pid in left if process_state(pid) not in ("gone", "Z")}

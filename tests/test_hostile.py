@@ -47,13 +47,14 @@ HOSTILE = {
     "corrupts_after_30": ("_n = [0]\ndef run(gate, up):\n    _n[0] += 1\n"
                           "    return reference(gate, up) * (1.02 if _n[0] > 30 else 1.0)\n", None),
     # Finds the reference's answer among the process's tensors (a 4-element spot check), else returns garbage. The
-    # probe's worker holds the family's reference outputs (README: not caught there); the candidate arm has none.
+    # probe's worker holds the family's reference outputs, but the candidate runs in its kernel server, which holds
+    # none (divergence/sandbox; in-process, with DIVERGENCE_SANDBOX=off, it passes the probe); the arm has none.
     "gc_cheat": ("import gc, torch\ndef run(gate, up):\n    g, u = gate.reshape(-1)[:4].float(), up.reshape(-1)[:4].float()\n"
                  "    want = g * torch.sigmoid(g) * u\n    for o in gc.get_objects():\n"
                  "        if type(o) is torch.Tensor and o.shape == gate.shape and o.dtype == gate.dtype \\\n"
                  "                and o is not gate and o is not up \\\n"
                  "                and torch.allclose(o.reshape(-1)[:4].float(), want, rtol=1e-3, atol=1e-6):\n"
-                 "            return o.clone()\n    return gate * up\n", None),
+                 "            return o.clone()\n    return gate * up\n", {"error"}),
 }
 
 
@@ -339,25 +340,24 @@ def test_fork_served_arms_die_with_an_ab_killed_alone(tmp_path):
 
 
 def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path, process_state):
-    """PR_SET_PDEATHSIG: a `divergence probe` killed with -9 takes its worker (in a group of its own) with it."""
+    """PR_SET_PDEATHSIG: a `divergence probe` killed with -9 takes its worker (in a group of its own) with it, and the
+    worker's kernel server with it (its reaper sees the worker go)."""
     spec = tmp_path / "hang.py"
     spec.write_text(textwrap.dedent("""\
         import os, time
         def run(gate, up):
-            with open(os.environ["PIDFILE"] + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])  # never seen empty (it was, under load)
+            print(f"PID {os.getpid()}", flush=True)  # into worker.log: the server may write no file outside its own
             while True:
                 time.sleep(0.05)
     """))
-    env = {**os.environ, "PIDFILE": str(tmp_path / "pid")}
     p = subprocess.Popen([sys.executable, "-m", "divergence.cli", "probe", "--kernel", "swiglu", "--candidate",
-                          str(spec), "--out", str(tmp_path / "p")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          str(spec), "--out", str(tmp_path / "p")], cwd=REPO, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "p" / "worker.log"
     deadline = time.time() + 60
-    while not (tmp_path / "pid").exists() and time.time() < deadline:
+    while time.time() < deadline and "PID " not in (log.read_text() if log.exists() else ""):
         time.sleep(0.1)
-    pid = int((tmp_path / "pid").read_text())
+    pid = int(log.read_text().split("PID ")[1].split()[0])
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(10)
     time.sleep(0.5)

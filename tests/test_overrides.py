@@ -88,11 +88,13 @@ def test_ab_records_overrides_in_the_plan_and_refuses_them_on_resume(tmp_path, m
     assert main(["ab", "--kernel", "fused_embed_rmsnorm", "--set", "train.stepz=1"]) == 2
     assert "--set train.stepz=1: unknown key train.stepz" in capsys.readouterr().err and len(seen) == 1
     assert main(["ab", "--resume", str(tmp_path), "--set", "train.steps=5"]) == 2
-    assert "--set train.steps: a resumed run keeps the recipe" in capsys.readouterr().err
-    # How the arms run may change on a resume (fewer at once after the GPU ran out of memory); plan.json stays.
+    assert "no plan.json" in capsys.readouterr().err  # not a results folder: said before anything else
     plan = {"kernel": "fused_embed_rmsnorm", "candidate": "zoo:embed_fp64_accum", "recipe_path": "tiny",
             "optimizers": ["sgd"], "overrides": {"seed": 3}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert main(["ab", "--resume", str(tmp_path), "--set", "train.steps=5"]) == 2
+    assert "--set train.steps: a resumed run keeps the recipe" in capsys.readouterr().err
+    # How the arms run may change on a resume (fewer at once after the GPU ran out of memory); plan.json stays.
     assert main(["ab", "--resume", str(tmp_path), "--set", "ab.workers=1", "--set", "ab.arm_start=spawn"]) == 2
     assert seen[-1] == {"seed": 3, "ab": {"workers": 1, "arm_start": "spawn"}}
     assert json.loads((tmp_path / "plan.json").read_text()) == plan

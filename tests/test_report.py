@@ -249,10 +249,10 @@ def test_report_reuses_the_distances_the_verdict_computed(results, monkeypatch, 
 
 
 def test_the_page_and_wandb_show_every_signal(results):
-    """The three signals of verdict.json, each with its word and reason, on the page (issue 19)."""
+    """The four signals of verdict.json, each with its word and reason, on the page."""
     v = json.loads((results / "verdict.json").read_text())
     text = (results / "report.html").read_text()
-    assert set(v["signals"]) == {"ab", "lockstep", "probe"}
+    assert set(v["signals"]) == {"ab", "lockstep", "probe", "tripwire"}
     for name, sig in v["signals"].items():
         # as the page's autoescaping template writes them (markupsafe, jinja2's own escaper)
         assert str(escape(words.SIGNAL_NAMES[name])) in text

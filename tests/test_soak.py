@@ -54,9 +54,13 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == 4
     printed = capsys.readouterr().out
     assert "overall" in printed and "s training arms" in printed.splitlines()[-1]
-    for r in rows:  # each cell's line says its case and exit code, not only the verdict
-        (line,) = [ln for ln in printed.splitlines() if r["candidate"] in ln and f" {r['seed']}  " in ln]
-        assert line.split()[-2:] == [r["case"], str(r["exit_code"])], line
+    for r in rows:  # each cell's line says its case, lockstep ratio, probe and exit code, not only the verdict
+        (line,) = [ln for ln in printed.splitlines() if ln.split()[1:4] == [r["name"], r["kernel"], str(r["seed"])]]
+        assert line.split()[-4:] == [r["case"], f"{r['lockstep']:.2f}x", "off", str(r["exit_code"])], line
+    # ranked: the PASS kernel above the finding, each kernel's seeds together
+    assert [(r["rank"], r["name"], r["seed"]) for r in rows] == [
+        (1, "embed_sort_segment", 0), (1, "embed_sort_segment", 1), (2, "embed_bf16_accum", 0),
+        (2, "embed_bf16_accum", 1)]
     timings = json.loads((out / "soak.json").read_text())["timings"]
     assert set(timings) == {"arms_s", "judge_publish_s", "cells_judged_while_arms_trained"}
     n_runs = check_wandb_groups(out, rows)
@@ -90,7 +94,7 @@ def test_bad_soak_file(tmp_path, capsys):
     p = tmp_path / "s.yaml"
     p.write_text("recipe: tiny\ncandidates:\n  - {kernel: fused_embed_rmsnorm}\n")
     assert main(["soak", str(p)]) == 2
-    assert "candidates[0]: expected exactly the keys kernel and candidate" in capsys.readouterr().err
+    assert "candidates[0]: expected one of {kernel, candidate}, {solution} or {glob}" in capsys.readouterr().err
 
 
 def test_soak_exit_code_follows_its_cells_exit_codes():

@@ -151,11 +151,13 @@ def test_steady_2_5x_error_on_a_bf16_output_is_wrong_by_the_record(tmp_path):
 def test_record_rule_needs_enough_steps():
     from divergence.detect.rule import MIN_RECORD_STEPS, record_judgement
 
-    short = record_judgement(list(range(MIN_RECORD_STEPS - 1)), [3.0] * (MIN_RECORD_STEPS - 1))
+    # Every step under its per-step limit (score 0.5): only the median can judge these records.
+    short = record_judgement(list(range(MIN_RECORD_STEPS - 1)), [3.0] * (MIN_RECORD_STEPS - 1),
+                             [0.5] * (MIN_RECORD_STEPS - 1))
     assert not short["enough"] and not short["wrong"]
-    ok = record_judgement(list(range(50)), [1.0] * 45 + [3.0] * 5)
+    ok = record_judgement(list(range(50)), [1.0] * 45 + [3.0] * 5, [0.5] * 50)
     assert ok["enough"] and not ok["wrong"]
-    bad = record_judgement(list(range(50)), [1.0] * 3 + [2.5] * 47)
+    bad = record_judgement(list(range(50)), [1.0] * 3 + [2.5] * 47, [0.5] * 50)
     assert bad["wrong"] and bad["first_step"] == MIN_RECORD_STEPS - 1
 
 

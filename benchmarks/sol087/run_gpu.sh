@@ -115,7 +115,7 @@ EOF
   else
     cp "$OUT/soak/soak.csv" "$OUT/soak.csv" 2>/dev/null
   fi
-  awk '/^kernel +candidate/ { p = 1 } p' "$OUT/soak.log" > "$OUT/soak-table.txt"
+  awk '/^ *rank +name +kernel/ { p = 1 } p' "$OUT/soak.log" > "$OUT/soak-table.txt"
 fi
 
 # ----------------------------------------------------------------------------------------------------- summary

@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..gpu import ALONE, is_oom
 from ..train.metrics import read_metrics
 
 
@@ -27,17 +28,13 @@ def _why(st: Optional[dict]) -> str:
     return f"ended with {status}"
 
 
+def out_of_memory(st: Optional[dict]) -> bool:
+    """Whether an arm ended for want of GPU memory (trained again on resume: runner.kept_on_resume)."""
+    return is_oom((st or {}).get("error"))
+
+
 # CUDA's out-of-memory text goes on to list every process on the GPU: over 500 characters per arm, and with 18 arms
 # at once (2026-11-25, H100 80 GiB) the one-line reason ran to several thousand characters saying the same thing.
-_OOM = ("out of memory", "cublas_status_alloc_failed")
-
-
-def out_of_memory(st: Optional[dict]) -> bool:
-    """Whether an arm ended for want of GPU memory (the machine's doing, not the kernel's: runner.kept_on_resume)."""
-    error = ((st or {}).get("error") or "").lower()
-    return any(m in error for m in _OOM)
-
-
 def _short(error: str) -> str:
     if "out of memory" in error.lower():
         return error.split(". ")[0].rstrip(".")  # "OutOfMemoryError: CUDA out of memory" (+ "Tried to allocate ...")
@@ -51,7 +48,9 @@ def harness_failure(bad: list, arms: dict, per_gpu: int, out) -> str:
     for k in bad:
         alike.setdefault(_why(arms.get(k)), []).append(k)
     line = "harness arm(s) did not finish: " + "; ".join(f"{', '.join(keys)} {why}" for why, keys in alike.items())
-    if any(out_of_memory(arms.get(k)) for k in bad):
+    if any(ALONE in ((arms.get(k) or {}).get("error") or "") for k in bad):  # ab/memory.py: it ran alone
+        line += " (out of memory with the GPU to itself: a smaller model or train.batch_size, or a larger GPU)"
+    elif any(out_of_memory(arms.get(k)) and arms[k].get("status") != "ERROR" for k in bad):  # ERROR: said why
         line += (f" (the GPU ran out of memory with {per_gpu} arms at once on it: resume with fewer, --resume {out} "
                  f"--set ab.workers={max(1, per_gpu // 2)})" if per_gpu > 1 else
                  " (the GPU ran out of memory with one arm on it: a smaller model or train.batch_size)")

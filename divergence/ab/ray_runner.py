@@ -18,6 +18,7 @@ import os
 import socket
 from pathlib import Path
 
+from ..detect import tripwire
 from ..errors import UserError
 from ..train.metrics import write_json
 from .runner import _StopRequests, run_jobs, split_finished
@@ -64,6 +65,8 @@ def run_jobs_ray(recipe, jobs, must_see: Path, address=None, gpus_per_arm: float
                     for ref in ready:
                         job = pending.pop(ref)
                         results[job.key] = st = _answer(ray, ref, job, must_see)
+                        if (Path(job.out_dir) / "arm.json").is_file():
+                            tripwire.seal(job.out_dir)  # as the local runner does when an arm ends
                         if on_done:
                             on_done(job.key, st)
             except BaseException:

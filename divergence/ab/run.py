@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import sandbox
 from ..device import pick_device
 from ..errors import UserError
 from ..overrides import resume_overrides, sets_to_overrides
@@ -86,6 +87,7 @@ def cmd_ab(args, publish=None) -> int:
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
     use_compile_cache(recipe)  # before any arm or server starts: they take it from the environment
+    sandbox.use_recipe(recipe)  # ab.sandbox: false, for the load's and the probe's workers and the arms alike
     start_server_early(recipe, device)
     cand = cand or default_candidate(slot, device)
     if opts is None:
@@ -297,7 +299,9 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         "signals": both["signals"], "exit_code": verdict.exit_code(both),
         "kernel": slot,
         "candidate": {"name": impl.name, "origin": impl.origin, "sha256": impl.sha256,
-                      "settings": list(getattr(impl, "settings", None) or [])},
+                      "settings": list(getattr(impl, "settings", None) or []),
+                      # where it ran: "sandboxed process" (with what the platform gave: "sandbox") or in-process
+                      **{k: getattr(impl, k) for k in ("isolation", "sandbox") if getattr(impl, k, None)}},
         "recipe": recipe.to_dict(), "optimizers": per_opt,
         "rule": {"margin": recipe.ab.margin, "window": recipe.ab.window, "lead": recipe.ab.lead,
                  "floors": verdict.FLOORS,

@@ -5,7 +5,8 @@ One-thread CPU arms are forked (torch is already imported: a fork starts in mill
 fork server: one clean interpreter per asking process that imported the training code once and has run no torch op,
 each arm a fork of it. So do CUDA arms: the server never starts CUDA (which does not survive a fork), each arm starts
 its own. A watchdog ends an arm with TIMEOUT when its metrics file stops growing for `step_timeout_s` or it outlives
-`arm_timeout_s`.
+`arm_timeout_s`. On CUDA the arms start as they fit in their GPU's free memory, and one that runs out of it beside
+other work trains again with the GPU to itself (ab/memory.py).
 """
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
+from ..detect import tripwire
 from ..errors import RecipeError
 from ..train.metrics import read_json, write_json
 from .health import out_of_memory
+from .memory import GIVE_UP, SKIP, WAIT, Placer, watch_arm
 
 DONE = ("OK", "NAN", "CRASH", "TIMEOUT")
 # Before an arm writes its arm.json it is importing and loading (a spawned CUDA arm needs ~10-20 s for that);
@@ -58,6 +62,10 @@ class Job:
     out_dir: Path
     spec: object  # ArmSpec
     recipe: object = None  # this job's recipe where a soak mixes several (seeds); None: the run's recipe
+    # Bytes of GPU memory an arm like this one needed in an earlier run (ab/share.py: the arms cache's record),
+    # a first guess until an arm of its kind is measured here (ab/memory.py)
+    memory_record: Optional[int] = None
+    alone: bool = False  # to train with its GPU to itself: it ran out of GPU memory beside other work (ab/memory.py)
 
 
 def arm_status(out_dir: Path):
@@ -155,6 +163,7 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     if world is not None and _cuda_started_before_fork():  # here, after the log: its last words name the cause
         raise RuntimeError("the fork server had started CUDA before forking this arm, which CUDA does not "
                            "survive; set ab.arm_start: spawn")
+    watch_arm(out_dir)  # its GPU memory's peak, for the scheduler to size the next arms by (ab/memory.py)
     from ..detect.lockstep import Lockstep
     from ..train import module  # noqa: F401  (Lightning: 5-20 s of a spawned arm's start on 2 cores)
     from ..train.arm import run_arm
@@ -188,9 +197,15 @@ def _progress_mark(out_dir: Path):
     return (a.stat().st_mtime_ns if a.exists() else None, m.stat().st_size if m.exists() else -1)
 
 
-def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
-    """Run every job not already finished; returns {key: arm info}. Finished arms (from --resume) are kept."""
+def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None, placer: Optional[Placer] = None):
+    """Run every job not already finished; returns {key: arm info}. Finished arms (from --resume) are kept.
+    `workers`: arms at once in all; on CUDA a cap per GPU (workers / GPUs) on what fits in its memory, which
+    `placer` (ab/memory.Placer, made here on CUDA; a test's elsewhere) decides."""
     gpus = visible_gpus() if device == "cuda" else []
+    if placer is None and device == "cuda":
+        placer = Placer.for_recipe(recipe, gpus, cap=-(-workers // max(1, len(gpus))))
+    if placer is not None:
+        gpus = placer.gpus
     if device != "cuda":
         # Import once here so every forked arm inherits it: `import lightning.pytorch` alone takes 5-20 s on
         # these 2-core machines, more than a tiny arm's whole training.
@@ -199,7 +214,7 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None):
     running, draining = {}, []  # draining: (process, deadline) of finished arms whose process has not exited
     try:
         with _StopRequests() as stop:
-            _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop)
+            _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop, placer)
     except BaseException:  # Ctrl-C, SIGTERM or a harness error: no arm process outlives the scheduler
         for proc in [entry[1] for entry in running.values()] + [proc for proc, _ in draining]:
             kill_group(proc)
@@ -249,8 +264,16 @@ class CompileFirst:
             self.first = job
 
 
-def _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop):
+def _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop, placer=None):
     def retire(job, st):
+        if placer is not None:
+            said = placer.ended(job, st)
+            if said == "again":  # out of GPU memory beside other work: once more, alone, before anything else
+                queue.insert(0, job)
+                return
+            if said:  # out of GPU memory alone
+                st = _finish(job, "CRASH", said)
+        tripwire.seal(job.out_dir)  # its files as it left them (arm.json last), checked before judging
         results[job.key] = st
         if on_done:
             on_done(job.key, st)
@@ -260,10 +283,9 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
         if stop.requested:
             raise KeyboardInterrupt
         _reap(draining)
-        while queue and len(running) < gate.room(running, workers):
-            job = queue.pop(0)
-            _start(job, recipe, running, gpus, corpus, device)
-            gate.started(job)
+        if placer is not None:
+            placer.tidy()
+        _fill(recipe, queue, running, gpus, corpus, device, gate.room(running, workers), gate, placer, retire)
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire, stop)
@@ -278,6 +300,34 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
     draining.clear()
 
 
+def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer, retire):
+    """Start queued jobs while there is room: in queue order, each on the GPU the placer gives it, if any; a job
+    that must wait for memory holds back the jobs behind it (the queue's order is kept), one whose kind is being
+    measured lets them by."""
+    for job in list(queue):
+        if len(running) >= room:
+            return
+        where = None
+        if placer is None:
+            gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
+        else:
+            what, where = placer.decide(job)
+            if what == SKIP:
+                continue
+            if what == WAIT:
+                return
+            if what == GIVE_UP:
+                queue.remove(job)
+                retire(job, _finish(job, "ERROR", where))
+                continue
+            gpu = gpus[where] if len(gpus) > 1 else None
+        queue.remove(job)
+        proc = _start(job, recipe, running, gpu, corpus, device)
+        if placer is not None:
+            placer.started(job, where, proc)
+        gate.started(job)
+
+
 def _reap(draining: list):
     """Finished arms' processes: reaped when gone, killed when they linger past their deadline."""
     for proc, deadline in list(draining):
@@ -286,12 +336,11 @@ def _reap(draining: list):
             draining.remove((proc, deadline))
 
 
-def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
+def _start(job, recipe, running: dict, gpu: Optional[str], corpus, device: str):
     # An interrupted attempt starts over in an empty folder: its files may be hard links shared with the
     # arms cache or another cell (ab/share.py), which writing in place would change there too.
     shutil.rmtree(job.out_dir, ignore_errors=True)
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
-    gpu = _least_busy(gpus, running) if len(gpus) > 1 else None  # spread arms over every GPU
     arm_recipe = job.recipe or recipe
     method = start_method(device, arm_recipe.train.threads, arm_recipe.ab.arm_start)
     ctx = _context(method, compiled=bool(arm_recipe.train.compile))
@@ -310,6 +359,7 @@ def _start(job, recipe, running: dict, gpus: list, corpus, device: str):
                           "spawn") from e
     now = time.time()
     running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+    return proc
 
 
 # What the fork server imports once, before it forks any arm: everything an arm needs but no torch op, no thread

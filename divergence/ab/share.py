@@ -33,6 +33,7 @@ from typing import Optional
 
 from .. import paths
 from ..train.metrics import write_json
+from ..detect import tripwire
 from .runner import DONE, arm_status, kept_on_resume
 
 # The sources an arm's training runs (ab/runner's child only sets up the process; detect/ is the candidate arm's).
@@ -194,6 +195,7 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
     keep_or_train = functools.partial(_keep_or_train, status=status, results=results, todo=todo, counts=counts)
     groups = _group(recipe, jobs, corpus, device, keep_or_train)
     source = _from_cache(groups, cache, fresh, keep_or_train)
+    _hand_on_records(todo, groups, source)
     counts["trained"] = len(todo)
     _log_plan(jobs, todo, groups, source, cache, fresh, status)
     owners = {group[0].key: key for key, (_, group) in groups.items() if key not in source}
@@ -238,6 +240,23 @@ def run_shared(recipe, jobs, corpus, device: str, backend, cache: ArmsCache, fre
     for key in list(owners.values()):  # not shared yet: an owner kept from an earlier attempt, one never reported,
         share(key)                     # or one whose sharing failed while arms trained
     return {job.key: results[job.key] for job in jobs if job.key in results}, counts
+
+
+def _hand_on_records(todo: list, groups: dict, source: dict) -> None:
+    """Each job to train gets, as Job.memory_record, the largest GPU memory an arm of its optimizer in the cache
+    needed (ab/memory.py reads it as a first guess until an arm of the job's kind is measured in this run): where
+    the reference and null arms come from the cache, the candidate's arms then start beside each other at once
+    instead of the first alone. Same GPU model: the device is part of the arm key."""
+    from .memory import read_record
+
+    records = {}
+    for key, (folder, _) in source.items():
+        need = read_record(folder)
+        if need is not None:
+            opt = groups[key][0]["optimizer"]
+            records[opt] = max(records.get(opt, 0), need)
+    for job in todo:
+        job.memory_record = records.get(job.spec.optimizer, job.memory_record)
 
 
 def _keep_or_train(job, status: dict, results: dict, todo: list, counts: dict):
@@ -295,6 +314,7 @@ def _link_group(group: list, src_from: tuple, status: dict, results: dict, count
             counts["kept"] += 1
             continue
         results[job.key] = st = materialize(src, Path(job.out_dir), shared_from)
+        tripwire.seal(job.out_dir)  # as linked: checked before judging (detect/tripwire.py)
         counts["from_cache" if "cache" in shared_from else "shared"] += 1
         if on_done:
             on_done(job.key, st)

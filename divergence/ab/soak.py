@@ -12,14 +12,27 @@ gets the same `verdict.json` (and `plan.json`) as `divergence ab`, as soon as it
 first), logged to wandb with one group per candidate (unless --no-wandb); the overall table is printed at the end
 (then where the time went), written as `soak.json` and `soak.csv` and logged as one more wandb run.
 
+A folder of submissions (SOL-ExecBench solution.json files) is a soak too: each solution is judged at its own
+declared shapes (its definition's constant axes, found as `ab` finds it: beside it, the entry's `definition`, the
+soak's `definitions:` or --definitions, $DIVERGENCE_DEFINITIONS) and in the slot its definition maps to. Candidates
+of the same shapes and seed share one reference and one set of nulls; each shape trains its own. Each candidate is
+named by its solution's `name` (with its folder where two in one slot share it), and probed once where the recipe
+asks (ab.probe), as `ab` does. Paths and globs are taken from the working directory.
+The table ranks the kernels safest first (rank_key): PASS (the smallest lockstep error ratio first), then weights
+moved only (exit 3: re-run), then not judged (exit 2), then the findings (exit 1: wrong, harms training, NaN, crash);
+every seed of a kernel sits together, under the kernel's worst cell.
+
 SOAK.yaml:
     name: nightly                      # used in the results folder's name
     recipe: tiny                       # recipe name or path, shared by every candidate
     overrides: {train: {steps: 20}}    # optional recipe overrides (same structure as a recipe)
     optimizers: [sgd, adamw]           # default: the recipe's ab.optimizers
     seeds: [0, 1]                      # one A/B per seed (initial weights and batch order)
-    candidates:                        # slot + candidate spec (zoo:NAME, file.py, solution.json, ...)
-      - {kernel: fused_embed_rmsnorm, candidate: zoo:embed_bf16_accum}
+    candidates:                        # one of candidate (with kernel), solution or glob per entry
+      - {kernel: fused_embed_rmsnorm, candidate: zoo:embed_bf16_accum}   # slot + spec (zoo:NAME, file.py, ...)
+      - {solution: runs/agent-3/solution.json}   # slot and shapes from its definition (kernel: SLOT where none)
+      - {glob: "runs/*/solution.json"}           # every file it matches (sorted), one candidate each
+    definitions: defs/                 # optional: a folder searched by each solution's `definition` name
     backend: local                     # local | ray (the command line's --backend wins)
     ray_address: null                  # ray: HOST:PORT or auto; null starts a Ray instance on this machine
     gpus_per_arm: 0.25                 # ray: share of one GPU per arm; default 1/(arms per GPU), 0 on CPU
@@ -27,6 +40,8 @@ SOAK.yaml:
 from __future__ import annotations
 
 import csv
+import glob as globbing
+import hashlib
 import io
 import json
 import os
@@ -43,7 +58,10 @@ from ..train.metrics import write_json
 
 MAX_LOADS = 8  # candidates loading at once, each in its own worker process
 
-KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm"}
+KEYS = {"name", "recipe", "overrides", "optimizers", "seeds", "candidates", "backend", "ray_address", "gpus_per_arm",
+        "definitions"}
+SOURCES = ("candidate", "solution", "glob")  # each candidates entry names exactly one
+ENTRY_KEYS = {"kernel", "definition", *SOURCES}
 BACKENDS = ("local", "ray")
 ADDRESS = r"auto|(ray://)?[^\s:/]+:\d+"  # ray_address: what `ray start --head` prints, or auto
 
@@ -55,19 +73,53 @@ def load_soak(path: Path) -> dict:
     unknown = sorted(set(raw) - KEYS)
     if unknown:
         raise RecipeError(f"{path}: unknown key {unknown[0]!r}; known: {', '.join(sorted(KEYS))}")
-    cands = raw.get("candidates")
-    if not isinstance(cands, list) or not cands:
-        raise RecipeError(f"{path}: candidates: a non-empty list of {{kernel, candidate}} is needed")
-    for i, c in enumerate(cands):
-        if not isinstance(c, dict) or set(c) != {"kernel", "candidate"}:
-            raise RecipeError(f"{path}: candidates[{i}]: expected exactly the keys kernel and candidate, got {c!r}")
+    cands = _candidates(path, raw.get("candidates"))
+    definitions = raw.get("definitions")
+    if definitions is not None and not (isinstance(definitions, str) and Path(definitions).is_dir()):
+        raise RecipeError(f"{path}: definitions: expected a folder of definition files, got {definitions!r}")
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
                                                            for s in seeds):
         raise RecipeError(f"{path}: seeds: expected a non-empty list of integers, got {seeds!r}")
     return {"name": str(raw.get("name", path.stem)), "recipe": str(raw.get("recipe", "tiny")),
             "overrides": raw.get("overrides") or {}, "optimizers": raw.get("optimizers"), "seeds": seeds,
-            "candidates": cands, **_backend_keys(path, raw), "path": str(path)}
+            "candidates": cands, "definitions": definitions, **_backend_keys(path, raw), "path": str(path)}
+
+
+def _candidates(path: Path, cands) -> list:
+    """The soak's candidates, one {kernel (None where a definition is to name it), candidate, entry, definition?}
+    per candidate: a glob's matches expanded here, once, so that soak-plan.json (and --resume) keeps the same set."""
+    if not isinstance(cands, list) or not cands:
+        raise RecipeError(f"{path}: candidates: a non-empty list of {{kernel, candidate}}, {{solution}} or {{glob}} "
+                          "is needed")
+    out = []
+    for i, c in enumerate(cands):
+        where = f"{path}: candidates[{i}]"
+        given = [k for k in SOURCES if isinstance(c, dict) and k in c]
+        if not isinstance(c, dict) or len(given) != 1 or set(c) - ENTRY_KEYS:
+            raise RecipeError(f"{where}: expected one of {{kernel, candidate}}, {{solution}} or {{glob}} (kernel and "
+                              f"definition optional with the last two), got {c!r}")
+        for k, v in c.items():
+            if not isinstance(v, str) or not v:
+                raise RecipeError(f"{where}.{k}: expected a non-empty string, got {v!r}")
+        if "candidate" in c and "kernel" not in c:
+            raise RecipeError(f"{where}: candidate {c['candidate']!r} needs kernel (its slot); a solution.json whose "
+                              "definition names the slot can be given as solution: PATH")
+        if "solution" in c and not Path(c["solution"]).is_file():
+            raise RecipeError(f"{where}.solution: {c['solution']} not found")
+        found = _matches(f"{where}.glob", c["glob"]) if "glob" in c else [c.get("solution") or c["candidate"]]
+        extra = {"definition": c["definition"]} if "definition" in c else {}
+        out.extend({"kernel": c.get("kernel"), "candidate": f, "entry": i, **extra} for f in found)
+    return out
+
+
+def _matches(where: str, pattern: str) -> list:
+    """The files `pattern` matches (relative to the working directory, as every path of a soak file; ** spans
+    folders), sorted; none is an error."""
+    found = sorted(p for p in globbing.glob(pattern, recursive=True) if Path(p).is_file())
+    if not found:
+        raise RecipeError(f"{where}: {pattern!r} matches no file (from {Path.cwd()})")
+    return found
 
 
 def _backend_keys(path: Path, raw: dict) -> dict:
@@ -83,9 +135,9 @@ def _backend_keys(path: Path, raw: dict) -> dict:
     return {"backend": backend, "ray_address": address, "gpus_per_arm": None if gpus is None else float(gpus)}
 
 
-def _label(i: int, cand: dict) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(cand["candidate"].replace("zoo:", "")).stem)
-    return f"{i:02d}-{cand['kernel']}-{stem}"
+def _label(i: int, kernel: str, name: str) -> str:
+    """A candidate's folder in the results: its place in the soak, its slot and its readable name."""
+    return f"{i:02d}-{kernel}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}"
 
 
 def _backend_name(soak: dict, args) -> str:
@@ -128,7 +180,9 @@ def _gpus_per_arm(soak: dict, base, device: str) -> float:
         return soak["gpus_per_arm"]
     if device != "cuda":
         return 0.0
-    return 1.0 / (base.ab.workers or 4)  # as many arms per GPU as the local scheduler runs (ab.run._workers)
+    from .run import per_gpu
+
+    return 1.0 / per_gpu(base)  # at most as many arms per GPU as the local scheduler runs (ab.run._workers)
 
 
 def cmd_soak(args, publish=None) -> int:
@@ -137,22 +191,23 @@ def cmd_soak(args, publish=None) -> int:
     from .run import _workers, check_optimizers
     from .compilecache import use_compile_cache
     from .runner import start_server_early
-    from ..data import load_corpus
     from ..detect.distances import ArmFiles
     from ..recipe import load_recipe
-    from ..train.arm import model_vocab, resolve_device
+    from ..train.arm import resolve_device
 
     soak, out, backend, address = _resumed(args) if args.resume else _started(args)
     base = load_recipe(soak["recipe"], soak["overrides"])
+    from .. import sandbox
+
+    sandbox.use_recipe(base)  # ab.sandbox: false, before any candidate loads (the plan loads each)
     opts = soak["optimizers"] or list(base.ab.optimizers)
     check_optimizers(opts, base, f"{soak['path']}: optimizers")
-    cells, jobs = _plan_cells(soak, out, opts)
-    device = resolve_device(base)
+    device = resolve_device(base)  # before planning: a definition's reference is cross-checked on it
+    cells, jobs = _plan_cells(soak, out, opts, device)
     use_compile_cache(base)  # before any arm or server starts (Ray's workers keep their own environment)
     if backend != "ray":  # Ray's workers start their own processes
         start_server_early(base, device)
-    corpus = load_corpus(base.data)
-    vocab = model_vocab(base, corpus)
+    corpora = _corpora(cells)
     workers = _workers(base, device)
     where = f"{device}, {workers} at a time"
     gpus = None
@@ -161,19 +216,28 @@ def cmd_soak(args, publish=None) -> int:
         where = f"ray {address or '(local instance)'}, " + (f"{gpus:g} GPU per arm" if gpus else "CPU arms")
     print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
           f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
+    probes = _Probes(cells, out, device)  # on CPU they run here, before any arm is forked
     t0, ran = time.time(), set()
     files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
     judging = _CellsAsTheyComplete(cells, jobs, out, lambda cell, arms: _judge_cell(
-        args, publish, cell, arms, out, opts, corpus, vocab, ran, files))
-    arms, counts = _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran,
-                              judging.arrived)
+        args, publish, cell, arms, out, opts, corpora, ran, files, probes), ready=lambda cell: probes.ready(cell[5]))
+    arms, counts, done = {}, {}, []
+    # One queue per corpus, one after another: a declared vocabulary below the recipe's tokenizer trains on a text
+    # tokenized for it (shapes.py), and the runner hands every arm of one queue one corpus. Mostly there is one.
+    for key, todo in _by_corpus(jobs).items():
+        got, n = _train_all(args, base, todo, out, corpora[key], device, workers, backend, address, gpus, t0, ran,
+                            judging.arrived, total=len(jobs), done=done)
+        arms.update(got)
+        counts = {k: counts.get(k, 0) + v for k, v in n.items()}
     # The arms' end is the last arm's arrival: the judging of its cell, in its callback, is after it.
     t_judge = judging.last_arrival or time.time()
     judged = dict(judging.judged)
-    for i, cell in enumerate(cells):  # the rest: cells with arms kept from an earlier attempt, or whose judging
-        if i not in judged:           # failed while arms trained (it fails again here, where it stops nothing)
-            judged[i] = _judge_cell(args, publish, cell, arms, out, opts, corpus, vocab, ran, files)
-    rows, logged = [judged[i][0] for i in range(len(cells))], sum(judged[i][1] for i in range(len(cells)))
+    for i, cell in enumerate(cells):  # the rest: cells with arms kept from an earlier attempt, whose probe was not
+        if i not in judged:           # in yet, or whose judging failed while arms trained (again here, where it
+            judged[i] = _judge_cell(  # stops nothing)
+                args, publish, cell, arms, out, opts, corpora, ran, files, probes)
+    rows = ranked([judged[i][0] for i in range(len(cells))])
+    logged = sum(judged[i][1] for i in range(len(cells)))
     meanwhile = sum(judging.started[i] < t_judge for i in judging.judged)
     timings = {"arms_s": round(t_judge - t0, 2), "judge_publish_s": round(time.time() - t_judge, 2),
                "cells_judged_while_arms_trained": meanwhile}
@@ -206,8 +270,18 @@ def _resumed(args) -> tuple:
     out = Path(args.resume)
     soak = _read_plan(out)
     soak["overrides"] = _merge(soak["overrides"], again)  # for this attempt; soak-plan.json keeps what was asked
+    _definitions_arg(soak, args)
     backend, address = _backend(soak, args)
     return soak, out, backend, address
+
+
+def _definitions_arg(soak: dict, args):
+    """--definitions DIR over the soak file's `definitions:`."""
+    folder = getattr(args, "definitions", None)
+    if folder:
+        if not Path(folder).is_dir():
+            raise UserError(f"--definitions: {folder} is not a folder")
+        soak["definitions"] = folder
 
 
 def _read_plan(out: Path) -> dict:
@@ -223,6 +297,7 @@ def _started(args) -> tuple:
         raise UserError("soak: give a SOAK.yaml (or --resume DIR)")
     soak = load_soak(Path(args.soak))
     soak["overrides"] = _merge(soak["overrides"], sets_to_overrides(getattr(args, "set", None)))
+    _definitions_arg(soak, args)
     backend, address = _backend(soak, args)
     soak["created"] = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("results") / f"soak-{soak['name']}-{soak['created']}")
@@ -234,47 +309,111 @@ def _started(args) -> tuple:
     return soak, out, backend, address
 
 
-def _plan_cells(soak: dict, out: Path, opts) -> tuple:
-    """([(candidate, impl, seed, recipe, cell folder, label)], [every arm's job, keyed by its cell])."""
+def _plan_cells(soak: dict, out: Path, opts, device: str = "cpu") -> tuple:
+    """([(candidate, impl, seed, recipe, cell folder, label)], [every arm's job, keyed by its cell]); each candidate
+    as {kernel (its slot), candidate (its spec), name, shapes (declared, {} for the recipe's own), definition}."""
     from types import SimpleNamespace
 
     from ..detect.probe.isolate import load_meta, loads_fork
+    from ..recipe import load_recipe
     from ..slots import SLOTS
 
     cells, jobs = [], []
     for i, cand in enumerate(soak["candidates"]):
-        if cand["kernel"] not in SLOTS:
-            raise UserError(f"{soak['path']}: candidates[{i}].kernel: unknown slot {cand['kernel']!r}")
+        if cand["kernel"] is not None and cand["kernel"] not in SLOTS:
+            raise UserError(f"{soak['path']}: candidates[{cand.get('entry', i)}].kernel: unknown slot "
+                            f"{cand['kernel']!r}")
+    checked = {}  # a definition's cross-check, once per (slot, definition's content): 40 submissions share one
+    cands = [{**c, **_declared(soak, i, c, device, checked)} for i, c in enumerate(soak["candidates"])]
     # Every candidate loads before anything trains, each in a child process (probe/isolate.py): the soak's own
     # process never runs candidate code. All at once: on a GPU machine each load is a spawned worker importing
     # torch, and one after another the 8-candidate soak spent 33 s before its first arm (H200, 2026-11-25).
     # A failing load raises as it did in turn: the first failing candidate in the file's order.
     # Only where loads spawn: a forked load (no CUDA, 0.04 s) gains nothing at once, and forking from a process
     # whose other threads hold locks risks a child that deadlocks.
-    cands = soak["candidates"]
     at_once = 1 if loads_fork() else max(1, min(len(cands), os.cpu_count() or 1, MAX_LOADS))
     pool = ThreadPoolExecutor(max_workers=at_once)
     try:
         metas = list(pool.map(lambda c: load_meta(c["kernel"], c["candidate"]), cands))
     finally:
         pool.shutdown(cancel_futures=True)  # after a failed load, the queued ones do not start
-    for i, (cand, meta) in enumerate(zip(cands, metas)):
+    base_shapes = load_recipe(soak["recipe"], soak["overrides"]).shapes
+    for i, (cand, meta, name) in enumerate(zip(cands, metas, _names(cands, metas))):
         impl = SimpleNamespace(**meta)
-        label = _label(i, cand)
+        cand["name"] = name
+        label = _label(i, cand["kernel"], name)
         for seed in soak["seeds"]:
-            recipe, cell_dir, cell_jobs = _plan_cell(soak, out, opts, cand, seed, label)
+            recipe, cell_dir, cell_jobs = _plan_cell(soak, out, opts, cand, seed, label, base_shapes)
             cells.append((cand, impl, seed, recipe, cell_dir, label))
             jobs.extend(cell_jobs)
+    _print_shapes(cands)
     return cells, jobs
 
 
-def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str) -> tuple:
+def _declared(soak: dict, i: int, cand: dict, device: str, checked: dict) -> dict:
+    """{kernel, shapes, definition} of one candidate, as `ab` finds them: its definition (the entry's
+    `definition`, else beside the solution, else by name under `definitions:` or $DIVERGENCE_DEFINITIONS) maps it
+    onto its slot at the definition's constant axes, once its reference agrees with the slot's; no definition: the
+    entry's kernel at the recipe's own shapes."""
+    from ..candidates.definition import ENV, find_definition, solution_definition_name
+    from ..detect.probe.shapes import declared_for
+
+    spec, kernel = cand["candidate"], cand["kernel"]
+    named = solution_definition_name(spec)
+    defn = find_definition(spec, cand.get("definition"), soak.get("definitions"), named=named)
+    if defn is None:
+        if not kernel:
+            raise RecipeError(f"{soak['path']}: candidates[{cand.get('entry', i)}]: {spec}: no definition found to "
+                              "name its slot (beside it, definitions:, --definitions, $" + ENV + ")"
+                              + (f"; it names {named!r}" if named else "") + "; give kernel: SLOT")
+        return {"kernel": kernel, "shapes": {}, "definition": None}
+    key = (kernel, hashlib.sha256(Path(defn.path).read_bytes()).hexdigest())
+    if key not in checked:
+        checked[key] = declared_for(kernel, spec, definition=defn.path, device=device,
+                                    echo=lambda line: print(f"  {line}", flush=True))[:2]
+    slot, shapes = checked[key]
+    return {"kernel": slot, "shapes": dict(shapes), "definition": str(defn.path)}
+
+
+def _names(cands: list, metas: list) -> list:
+    """Each candidate's readable name: the one it loads with (a solution's `name`, a file's stem, the zoo's name);
+    where several in one slot share it (an agent's submissions often do), with its folder; then with its place in
+    the soak."""
+    def clash(names):
+        keys = [(c["kernel"], n) for c, n in zip(cands, names)]
+        return [keys.count(k) > 1 for k in keys]
+
+    names = [str(m.get("name") or Path(c["candidate"]).stem) for c, m in zip(cands, metas)]
+    folders = [Path(c["candidate"]).parent.name for c in cands]
+    names = [f"{n}@{d}" if twin and d else n for n, d, twin in zip(names, folders, clash(names))]
+    return [f"{n}#{i}" if twin else n for i, (n, twin) in enumerate(zip(names, clash(names)))]
+
+
+def _shape_words(shapes: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(shapes.items()))
+
+
+def _print_shapes(cands: list):
+    """Which candidates share a reference and nulls: one line per declared shape (none where none is declared)."""
+    groups = {}
+    for c in cands:
+        groups.setdefault(_shape_words(c["shapes"]) or "the recipe's own", []).append(c["name"])
+    if len(groups) > 1 or any(c["shapes"] for c in cands):
+        for words, names in groups.items():
+            print(f"  shapes {words}: {len(names)} candidate(s), one reference and one set of nulls per seed and "
+                  f"optimizer ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})", flush=True)
+
+
+def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str, base_shapes: dict) -> tuple:
     """(recipe, folder, jobs) of one (candidate, seed); the folder gets its plan.json, as an A/B's."""
     from ..recipe import load_recipe
     from .plan import plan_arms
     from .run import write_plan
 
-    recipe = load_recipe(soak["recipe"], {**soak["overrides"], "seed": seed})
+    overrides = {**soak["overrides"], "seed": seed}
+    if cand["shapes"]:  # as `ab` does: an override, which plan.json keeps; the recipe's `shapes:` fill the rest
+        overrides["shapes"] = {**base_shapes, **cand["shapes"]}
+    recipe = load_recipe(soak["recipe"], overrides)
     cell_dir = out / label / f"seed-{seed}"
     cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,
                           lockstep=recipe.ab.lockstep_every > 0)
@@ -283,24 +422,49 @@ def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str) -
         j.key = f"{cell_dir.relative_to(out)}/{j.key}"
     if not (cell_dir / "plan.json").exists():  # the cell reads as an A/B folder: report and wandb work
         cell_dir.mkdir(parents=True, exist_ok=True)
-        write_plan(cell_dir, cand["kernel"], cand["candidate"], recipe, opts,
-                   {**soak["overrides"], "seed": seed}, soak.get("created", out.name), soak=out.name)
+        write_plan(cell_dir, cand["kernel"], cand["candidate"], recipe, opts, overrides,
+                   soak.get("created", out.name), soak=out.name, definition=cand["definition"])
     return recipe, cell_dir, cell_jobs
 
 
+def _corpus_key(recipe) -> str:
+    return json.dumps(recipe.to_dict()["data"], sort_keys=True, default=str)
+
+
+def _corpora(cells) -> dict:
+    """{corpus key: corpus} of every cell's recipe, each loaded once."""
+    from ..data import load_corpus
+
+    out = {}
+    for cell in cells:
+        key = _corpus_key(cell[3])
+        if key not in out:
+            out[key] = load_corpus(cell[3].data)
+    return out
+
+
+def _by_corpus(jobs) -> dict:
+    out = {}
+    for job in jobs:
+        out.setdefault(_corpus_key(job.recipe), []).append(job)
+    return out
+
+
 def _train_all(args, base, jobs, out, corpus, device, workers, backend, address, gpus, t0, ran: set,
-               then=None) -> tuple:
+               then=None, total=None, done=None) -> tuple:
     """(arms, counts) from ab/share.run_shared over the chosen backend; `ran` gets each cell that trained an arm;
-    `then(key, info)` is called after each arm's line."""
+    `then(key, info)` is called after each arm's line. Where `jobs` are some of the soak's arms: `total`, all of
+    them, and `done`, the keys of those finished so far (a list this call appends to), for the arm lines' count."""
     from .runner import run_jobs
     from .share import ArmsCache, run_shared
 
-    done = []
+    done = [] if done is None else done
 
     def on_done(key, st):
         done.append(key)
         ran.add(_cell_of(key))  # its wandb runs are logged (again)
-        print(f"  [{len(done)}/{len(jobs)}] {key}: {st.get('status')} ({time.time() - t0:.0f} s)", flush=True)
+        print(f"  [{len(done)}/{total or len(jobs)}] {key}: {st.get('status')} "
+              f"({time.time() - t0:.0f} s)", flush=True)
         if then:
             then(key, st)
 
@@ -326,10 +490,12 @@ class _CellsAsTheyComplete:
     """Judges each cell as soon as the last of its arms arrives, while the other arms train: `arrived(key, info)`
     is the training's per-arm callback. The judging runs in the scheduler's loop, which meanwhile starts no arm;
     the arms already running go on, and the GPU, which 2 or more arms keep busy, hardly notices. A judging that
-    fails here is left for after the last arm (cmd_soak), where its error stops no training."""
+    fails here, or whose candidate's probe is not in yet (`ready(cell)`), is left for after the last arm (cmd_soak),
+    where its error stops no training."""
 
-    def __init__(self, cells, jobs, out: Path, judge):
+    def __init__(self, cells, jobs, out: Path, judge, ready=None):
         self.cells, self.judge, self.judged, self.arms = cells, judge, {}, {}
+        self.ready = ready or (lambda cell: True)
         self.started = {}  # cell index -> when its judging began (time.time())
         self.last_arrival = None  # when the last arm so far arrived
         self.index = {str(cell[4].relative_to(out)): i for i, cell in enumerate(cells)}
@@ -342,7 +508,7 @@ class _CellsAsTheyComplete:
         self.arms[key] = st
         i = self.index[_cell_of(key)]
         self.waiting[i].discard(key)
-        if not self.waiting[i]:
+        if not self.waiting[i] and self.ready(self.cells[i]):
             self.started[i] = time.time()
             try:
                 self.judged[i] = self.judge(self.cells[i], self.arms)
@@ -351,22 +517,109 @@ class _CellsAsTheyComplete:
                       f"({type(e).__name__}: {e})".splitlines()[0][:300], flush=True)
 
 
-def _judge_cell(args, publish, cell, arms, out, opts, corpus, vocab, ran: set, files) -> tuple:
+class _Probes:
+    """Each candidate's probe (ab's preflight: the op against its float64 oracle over input families), once per
+    candidate, at its shapes and first seed, into `<label>/probe/`, where its recipe asks for one (ab.probe). On CPU
+    one after another before any arm is forked (a fork must not inherit a probe's threads, as in `ab`); on a GPU
+    one at a time in a thread beside the arms: 40 at once would be 40 processes importing torch on the GPU the arms
+    train on. A probe that fails is its cells' probe error, not the soak's end."""
+
+    def __init__(self, cells, out: Path, device: str):
+        from concurrent.futures import Future
+
+        from .run import _preflight
+
+        first = {}
+        for cell in cells:
+            first.setdefault(cell[5], cell)
+        todo = [(label, cell) for label, cell in first.items() if cell[3].ab.probe]
+        self.futures = {}
+        pool = ThreadPoolExecutor(max_workers=1) if device == "cuda" and todo else None
+        for label, (cand, _, _, recipe, _, _) in todo:
+            args = (cand["kernel"], cand["candidate"], out / label, recipe, device, cand["name"])
+            if pool is not None:
+                self.futures[label] = pool.submit(_preflight, *args)
+                continue
+            self.futures[label] = f = Future()
+            try:
+                f.set_result(_preflight(*args))
+            except Exception as e:
+                f.set_exception(e)
+        if pool is not None:
+            pool.shutdown(wait=False)  # its thread ends with the last probe
+
+    def ready(self, label: str) -> bool:
+        f = self.futures.get(label)
+        return f is None or f.done()
+
+    def outcome(self, label: str) -> tuple:
+        """(probe result, probe error), waiting for the probe; (None, None) where none was asked for."""
+        from .run import _probe_outcome
+
+        return _probe_outcome(None, self.futures.get(label))
+
+
+def _judge_cell(args, publish, cell, arms, out, opts, corpora: dict, ran: set, files, probes=None) -> tuple:
     """(its table row, wandb runs logged): one cell judged, its verdict.json written and published."""
+    from ..train.arm import model_vocab
     from .run import judge
 
     cand, impl, seed, recipe, cell_dir, label = cell
     prefix = f"{cell_dir.relative_to(out)}/"
     cell_arms = {k[len(prefix):]: v for k, v in arms.items() if k.startswith(prefix)}
-    result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, vocab, files=files)
+    corpus = corpora[_corpus_key(recipe)]
+    probe, probe_error = probes.outcome(label) if probes else (None, None)
+    result = judge(recipe, cand["kernel"], impl, opts, cell_dir, cell_arms, corpus, model_vocab(recipe, corpus),
+                   probe, probe_error, files=files)
+    if probe_error:
+        result["probe_error"] = probe_error
     write_json(cell_dir / "verdict.json", result)
     logged = 0
     if publish and not args.no_wandb and (prefix[:-1] in ran or not (cell_dir / "wandb.json").exists()):
         logged = publish.log_cell(cell_dir, result, label, seed, out.name, files)
-    row = {"kernel": cand["kernel"], "candidate": cand["candidate"], "seed": seed, "verdict": result["verdict"],
-           "case": result["case"], "exit_code": result["exit_code"],
-           **{opt: result["optimizers"][opt]["verdict"] for opt in opts}}
-    return row, logged
+    return _row(cand, seed, result, opts), logged
+
+
+def _row(cand: dict, seed: int, result: dict, opts) -> dict:
+    """One cell's line of the table: `lockstep` is the worst optimizer's median err_candidate / err_reference over
+    the checked steps (1 is the reference's own error; None: not checked), `probe` its signal (off: not run) with
+    the number of findings."""
+    ratios = [((v.get("lockstep") or {}).get("record") or {}).get("median_ratio")
+              for v in result["optimizers"].values()]
+    ratios = [r for r in ratios if r is not None]
+    word = result.get("signals", {}).get("probe", {}).get("verdict", "SKIPPED")
+    found = (result.get("probe") or {}).get("findings")
+    return {"rank": None, "name": cand["name"], "kernel": cand["kernel"], "candidate": cand["candidate"],
+            "shapes": _shape_words(cand["shapes"]), "seed": seed, "verdict": result["verdict"],
+            "case": result["case"], "exit_code": result["exit_code"],
+            "lockstep": round(max(ratios), 3) if ratios else None,
+            "probe": ("off" if word == "SKIPPED" else word) + (f":{found}" if found else ""),
+            **{opt: result["optimizers"][opt]["verdict"] for opt in opts}}
+
+
+# Where a cell's exit code puts it, safest first: PASS (0), weights or gradients moved only (3: a re-run decides),
+# not judged (2: ERROR or INCONCLUSIVE), a finding that the kernel is wrong or harms training (1).
+SAFETY = {0: 0, 3: 1, 2: 2, 1: 3}
+
+
+def rank_key(row: dict) -> tuple:
+    """A cell's place in the table: its exit code's (SAFETY), then its verdict's severity, then its lockstep ratio
+    (closest to the reference's own error first; unchecked after)."""
+    from ..detect.verdict import SEVERITY
+
+    sev = SEVERITY.index(row["verdict"]) if row["verdict"] in SEVERITY else len(SEVERITY)
+    ratio = row["lockstep"]
+    return SAFETY.get(row["exit_code"], len(SAFETY)), sev, float("inf") if ratio is None else ratio
+
+
+def ranked(rows: list) -> list:
+    """The rows, kernel by kernel (a candidate: its slot and name), safest kernel first: a kernel ranks by its worst
+    cell (rank_key); its seeds stay together, in order. Each row gets its kernel's `rank` (1: the safest)."""
+    by_name = {}
+    for r in rows:
+        by_name.setdefault((r.get("kernel", ""), r["name"]), []).append(r)
+    order = sorted(by_name, key=lambda n: (max(rank_key(r) for r in by_name[n]), n[1], n[0]))
+    return [{**r, "rank": k} for k, n in enumerate(order, 1) for r in sorted(by_name[n], key=lambda r: r["seed"])]
 
 
 def _write_csv(path: Path, rows: list):
@@ -378,13 +631,23 @@ def _write_csv(path: Path, rows: list):
 
 
 def _print_rows(rows: list, opts):
-    """The soak's table, with each cell's case and exit code: DIVERGED alone does not tell a finding that harms
-    training (exit 1) from the weaker kind, weights moved only (exit 3; README "What the verdict promises"). On
-    the H200 (2026-11-26) a correct kernel flagged in one soak could not be told apart afterwards: only this table
-    had come back."""
+    """The soak's table, ranked (safest kernel first), with each cell's case and exit code: DIVERGED alone does not
+    tell a finding that harms training (exit 1) from the weaker kind, weights moved only (exit 3; docs/verdict.md).
+    On the H200 (2026-11-26) a correct kernel flagged in one soak could not be told apart afterwards: only this
+    table had come back."""
+    w = min(40, max(len("name"), *(len(r["name"]) for r in rows)))
     print()
-    print(f"{'kernel':<22} {'candidate':<34} {'seed':>4}  " + " ".join(f"{o:<9}" for o in opts)
-          + f" {'overall':<12} {'case':<17} exit")
+    print(f"{'rank':>4}  {'name':<{w}} {'kernel':<22} {'seed':>4}  " + " ".join(f"{o:<9}" for o in opts)
+          + f" {'overall':<12} {'case':<17} {'lockstep':>8}  {'probe':<14} exit")
     for r in rows:
-        print(f"{r['kernel']:<22} {r['candidate'][-34:]:<34} {r['seed']:>4}  "
-              + " ".join(f"{r[o]:<9}" for o in opts) + f" {r['verdict']:<12} {r['case']:<17} {r['exit_code']}")
+        ratio = "-" if r["lockstep"] is None else f"{r['lockstep']:.2f}x"
+        print(f"{r['rank']:>4}  {r['name'][-w:]:<{w}} {r['kernel']:<22} {r['seed']:>4}  "
+              + " ".join(f"{r[o]:<9}" for o in opts)
+              + f" {r['verdict']:<12} {r['case']:<17} {ratio:>8}  {r['probe']:<14} {r['exit_code']}")
+    worst = {}
+    for r in rows:
+        k = (r["kernel"], r["name"])
+        worst[k] = max(worst.get(k, r["exit_code"]), r["exit_code"], key=lambda c: SAFETY.get(c, 9))
+    count = lambda code: sum(c == code for c in worst.values())  # noqa: E731
+    print(f"kernels, safest first: {count(0)} PASS, {count(3)} weights moved only (exit 3: re-run), {count(2)} not "
+          f"judged (exit 2), {count(1)} wrong or harmful (exit 1)")

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional
 
 from ..errors import CandidateError
+from ..sandbox.kernel_server import TORCH_NAMESPACES, namespace, torch_own  # the kernel server guards the same
 
-_TORCH_NAMESPACES = {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.Tensor": torch.Tensor,
-                     "torch.linalg": torch.linalg}
+_TORCH_NAMESPACES = {n: namespace(n) for n in TORCH_NAMESPACES}
 
 
 def _namespaces() -> dict:
@@ -44,31 +44,19 @@ def fingerprint() -> dict:
     return out
 
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def torch_own(old, new) -> bool:
-    """Whether `new` is torch's own wrapper around `old` (see the module docstring)."""
-    code = getattr(new, "__code__", None)
-    if code is None or not os.path.abspath(code.co_filename).startswith(_TORCH_DIR):
-        return False
-    seen = set()
-    w = getattr(new, "__wrapped__", None)
-    while w is not None and id(w) not in seen:
-        if w is old:
-            return True
-        seen.add(id(w))
-        w = getattr(w, "__wrapped__", None)
-    return False
-
-
 def check_untouched(before: dict, who: str) -> None:
     after = fingerprint()
     changed = sorted(k for k in before if k in after and after[k] is not before[k]
                      and not torch_own(before[k], after[k]))
     removed = sorted(k for k in before if k not in after)
     if changed or removed:
-        what = (changed or removed)[0]
-        more = len(changed) + len(removed) - 1
-        raise CandidateError(f"{who}: patches {what} at import{f' (and {more} more)' if more else ''}; "
-                             "a candidate may not modify torch or the harness: refused")
+        refuse(who, changed, removed)
+
+
+def refuse(who: str, changed: list, removed: list) -> None:
+    """The refusal of a candidate that replaced (`changed`) or removed callables of torch or the harness at import,
+    in this process or in its kernel server."""
+    what = (changed or removed)[0]
+    more = len(changed) + len(removed) - 1
+    raise CandidateError(f"{who}: patches {what} at import{f' (and {more} more)' if more else ''}; "
+                         "a candidate may not modify torch or the harness: refused")

@@ -15,6 +15,11 @@ Extra parameters are allowed after those only if they have defaults; `**kwargs` 
 carries (`vocab_size` for fused_embed_rmsnorm) is passed as a keyword only to a `run` that names it or takes
 `**kwargs`. A DPS candidate gets fresh outputs filled with NaN, so elements it never writes stay visible.
 Every problem, at load or at call time, is a one-line CandidateError naming the candidate.
+
+By default the candidate is imported and called in a kernel server (divergence/sandbox): a process of its own
+that sees nothing of the harness. This process does the rest of the loading (paths, entry point, convention, the
+signature check, on the signature the server read) and calls it there through `RemoteFunction`. DIVERGENCE_SANDBOX=off
+(recipe `ab.sandbox: false`) imports it here instead.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import sandbox
 from ..errors import CandidateError
 from ..files import JSONFileError, read_json_object
 from ..slots.contract import Contract
@@ -99,6 +105,12 @@ def _load_python_file(contract: Contract, path: Path, name: Optional[str] = None
     where = where or str(path)
     if not path.is_file():
         raise CandidateError(f"candidate {'is a folder, not a file' if path.is_dir() else 'file not found'}: {path}")
+    if sandbox.wanted():
+        _refuse_amd_only(path, where)
+        return _load_sandboxed(contract, "file", where, name=name or path.stem, origin=origin or str(path),
+                               sha=sha256_of(hashed or [path]), declared=convention, meta=meta, symbol=symbol,
+                               path=str(path.resolve()),
+                               module=f"kernel_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{next(_counter)}")
     module = _import_file(path, where)
     fn = getattr(module, symbol, None)
     if fn is None or not callable(fn):
@@ -111,6 +123,9 @@ def _load_python_file(contract: Contract, path: Path, name: Optional[str] = None
 
 def _load_module_function(contract: Contract, spec: str) -> Impl:
     modname, fname = spec.split(":")
+    if sandbox.wanted():
+        return _load_sandboxed(contract, "module", spec, name=spec, origin=spec, sha=None, symbol=fname,
+                               module=modname)
     try:
         module = importlib.import_module(modname)
     except ModuleNotFoundError as e:
@@ -141,6 +156,13 @@ def _load_cuda_file(contract: Contract, path: Path, sources: Optional[list] = No
 
     sha = sha256_of(hashed or sources)
     opts = compile_options or {}
+    if sandbox.wanted():
+        return _load_sandboxed(contract, "cuda", where, name=name or path.stem, origin=origin or str(path), sha=sha,
+                               declared=convention, meta=meta, doc=_leading_comment(path), symbol=symbol,
+                               module=f"kernel_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{sha[:12]}",
+                               sources=[str(Path(s).resolve()) for s in sources],
+                               cflags=opts.get("cflags") or ["-O3"], cuda_cflags=opts.get("cuda_cflags") or ["-O3"],
+                               ldflags=opts.get("ld_flags") or None)
     try:
         module = load(name=f"divergence_cand_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{sha[:12]}",
                       sources=[str(s) for s in sources], extra_cflags=opts.get("cflags") or ["-O3"],
@@ -212,6 +234,47 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
                              where=f"{path} ({entry_file})", hashed=[path], meta=meta, origin=str(path))
 
 
+def _load_sandboxed(contract: Contract, kind: str, where: str, *, name: str, origin: str, sha: Optional[str],
+                    symbol: str, declared: Optional[str] = None, meta: Optional[dict] = None, doc: str = "",
+                    **request) -> Impl:
+    """Load in a kernel server: the same checks and the same words as in-process, on what the server reports."""
+    from ..sandbox.client import KernelServer, RemoteFunction, harness_changes
+    from .guard import refuse
+
+    server = KernelServer(where, cache_key=sha or re.sub(r"[^0-9A-Za-z]", "_", origin))
+    got = server.load(kind=kind, symbol=symbol, **request)
+    if not got.get("ok"):
+        server.close()
+        info = got.get("error") or {"type": "ImportError", "msg": f"cannot be imported ({got.get('stage')})"}
+        if kind == "module":
+            said = (f"cannot import module {request['module']!r} ({info.get('msg', '')})"
+                    if info.get("type") == "ModuleNotFoundError" else f"import failed: {_info_line(info)}")
+            raise CandidateError(f"{where}: {said}")
+        if kind == "cuda":
+            raise CandidateError(f"{where}: compilation failed: {_info_line(info)}")
+        raise CandidateError(_import_failure(where, info))
+    if not got.get("found"):
+        server.close()
+        if kind == "module":
+            raise CandidateError(f"{where}: module {request['module']} defines no function `{symbol}`")
+        if kind == "cuda":
+            raise CandidateError(f"{where}: the compiled module exposes no function `{symbol}` (bind it with "
+                                 f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def(\"{symbol}\", ...); }})")
+        raise CandidateError(f"{where}: defines no function `{symbol}`")
+    changed, removed = harness_changes(got.get("harness") or {})
+    if got.get("torch_patched") or got.get("torch_removed") or changed or removed:
+        server.close()
+        refuse(f"{contract.name}: candidate {name} ({origin})", list(got.get("torch_patched") or []) + changed,
+               list(got.get("torch_removed") or []) + removed)
+    if kind != "cuda" and got.get("triton"):
+        _refuse_triton_without_gpu(where)
+    if kind == "module" and sha is None and isinstance(got.get("file"), str) and Path(got["file"]).is_file():
+        sha = sha256_of([got["file"]])
+    fn = RemoteFunction(server, contract, name, got)
+    return _make_impl(contract, fn, name=name, origin=origin, where=where, sha=sha, doc=got.get("doc") or doc,
+                      declared=declared, meta=meta)
+
+
 # How each language of a solution is loaded: SOL-ExecBench's `languages` values (the list form, 2026) and the
 # singular `language` of its first public version (March 2026); both forms exist in the wild.
 LANGUAGES = {"python": "python", "pytorch": "python", "triton": "triton", "cute_dsl": "python", "cutile": "python",
@@ -281,12 +344,9 @@ def _import_file(path: Path, where: str):
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(modname, None)
-        if isinstance(e, SyntaxError):
-            raise CandidateError(f"{where}: syntax error at line {e.lineno}: {e.msg}") from None
-        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "triton":
-            raise CandidateError(f"{where}: needs Triton, which cannot be imported here ({e}); "
-                                 "Triton kernels need a GPU") from None
-        raise CandidateError(f"{where}: import failed: {_one_line(e)}") from None
+        from ..sandbox.kernel_server import error_info
+
+        raise CandidateError(_import_failure(where, error_info(e))) from None
     finally:
         try:
             sys.path.remove(folder)
@@ -295,15 +355,35 @@ def _import_file(path: Path, where: str):
     return module
 
 
+def _import_failure(where: str, info: dict) -> str:
+    """The words for a candidate file whose import raised (`info`: kernel_server.error_info of the exception, here
+    or in a kernel server)."""
+    if "syntax_msg" in info:
+        return f"{where}: syntax error at line {info.get('lineno')}: {info['syntax_msg']}"
+    if info.get("type") == "ModuleNotFoundError" and (info.get("name") or "").split(".")[0] == "triton":
+        return f"{where}: needs Triton, which cannot be imported here ({info.get('msg')}); Triton kernels need a GPU"
+    return f"{where}: import failed: {_info_line(info)}"
+
+
+def _info_line(info: dict) -> str:
+    """_one_line of an exception told as data."""
+    msg = str(info.get("msg") or "").strip().splitlines()
+    return f"{info.get('type')}: {msg[0]}" if msg else str(info.get("type"))
+
+
 def _require_gpu_for_triton(module, where: str) -> None:
     """A module holding Triton kernels cannot launch them without a GPU (unless Triton's interpreter is on)."""
+    from ..sandbox.kernel_server import uses_triton
+
+    if uses_triton(module):
+        _refuse_triton_without_gpu(where)
+
+
+def _refuse_triton_without_gpu(where: str) -> None:
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    for v in vars(module).values():
-        owner = v.__name__ if inspect.ismodule(v) else type(v).__module__
-        if (owner or "").split(".")[0] == "triton":
-            raise CandidateError(f"{where}: a Triton kernel needs a GPU (no CUDA device here; "
-                                 "TRITON_INTERPRET=1 runs it slowly on the CPU)")
+    raise CandidateError(f"{where}: a Triton kernel needs a GPU (no CUDA device here; "
+                         "TRITON_INTERPRET=1 runs it slowly on the CPU)")
 
 
 def _signature(fn: Callable, where: str):
@@ -396,7 +476,12 @@ def _make_impl(contract: Contract, fn: Callable, *, name: str, origin: str, wher
                doc: str, declared: Optional[str] = None, meta: Optional[dict] = None) -> Impl:
     conv, passed = _convention(contract, fn, where, declared)
     adapter = _destination_adapter if conv == "destination" else _returning_adapter
-    return Impl(slot=contract.name, name=name, fn=adapter(contract, fn, name, passed), role="candidate",
+    run = adapter(contract, fn, name, passed)
+    from ..sandbox.client import RemoteFunction
+
+    if isinstance(fn, RemoteFunction):
+        run.sandbox = fn  # the candidate's kernel server: what the platform gave it, and the probe's late-write watch
+    return Impl(slot=contract.name, name=name, fn=run, role="candidate",
                 origin=origin, sha256=sha, meta={"doc": doc, "convention": conv, **(meta or {})})
 
 

@@ -12,8 +12,10 @@ Signed differences are kept beside (`signed`) to report the direction.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -22,33 +24,57 @@ from ..train.metrics import read_metrics
 
 
 class _Lru(OrderedDict):
-    """At most `keep` entries, the least recently used dropped first."""
+    """At most `keep` entries (and, with `max_bytes`, at most that many bytes of arrays, the newest entry always
+    kept), the least recently used dropped first."""
 
-    def __init__(self, keep: int):
+    def __init__(self, keep: int, max_bytes: Optional[int] = None):
         super().__init__()
-        self.keep = keep
+        self.keep, self.max_bytes, self.bytes = keep, max_bytes, 0
 
     def get_or(self, key, make):
         if key in self:
             self.move_to_end(key)
             return self[key]
         value = self[key] = make()
-        while len(self) > self.keep:
-            self.popitem(last=False)
+        self.bytes += getattr(value, "nbytes", 0)
+        while len(self) > self.keep or (self.max_bytes is not None and self.bytes > self.max_bytes and len(self) > 1):
+            _, dropped = self.popitem(last=False)
+            self.bytes -= getattr(dropped, "nbytes", 0)
         return value
+
+
+def _ref_budget() -> int:
+    """Bytes of reference arrays kept in memory: a quarter of the host's, the arms training meanwhile need the rest.
+    At production shapes one snapshot is 1 GiB, and a soak's three optimizers keep two each (h200-shapes): 6 GiB."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+# Rows per chunk of a snapshot difference: 16 MiB of float32 temporaries at hidden 4096, not two 1 GiB ones (the
+# difference and its square) for a whole 65,536 x 4096 snapshot; each chunk is read from the file as it is reduced.
+CHUNK_ROWS = 1024
 
 
 class ArmFiles:
     """One run's reads of its arms' files and the distances computed from them, each done once: the verdict, then
     the report and wandb ask for the same pairs (the report recomputed them all: 13 s at the h200 recipe's sizes),
     and one metrics file gives seven series per compared pair (126 parses of the same twelve files per A/B before).
-    Owned by the run (`ab` or `soak`, which hand it to the report), so nothing outlives it. Every key holds the
-    file's version (modification time, size), so an arm that was run again is never served stale."""
+    Owned by the run (`ab` or `soak`, which hand it to the report), so nothing outlives it.
+
+    Arms are known by their files, not their folders: a soak hard-links one reference and its nulls into every cell
+    of the same seed, optimizer and shapes (ab/share.py), so each null's distances, and every snapshot behind them,
+    are computed and read once per soak, not once per cell (under h200-shapes a cell's 12 null arms hold 24 GiB of
+    snapshots). Every key holds the file's version (modification time, size), so an arm that was run again is never
+    served stale."""
 
     def __init__(self):
         self._rows = _Lru(64)  # metrics.jsonl rows, per (path, version)
-        self._refs = _Lru(32)  # the reference arm's arrays: read once, not once per compared arm (3 per optimizer)
-        self._memo = _Lru(64)  # distances, per (reference, arm, smoothing, versions, buckets)
+        # The reference arm's arrays, read once, not once per compared arm (every null and candidate of every cell).
+        self._refs = _Lru(32, max_bytes=_ref_budget())
+        self._moved = _Lru(64)  # per reference snapshot: how far each row moved from step 0
+        self._memo = _Lru(256)  # distances, per (reference, arm, smoothing, versions, buckets)
 
     def rows(self, path) -> list:
         """An arm's metrics rows, parsed once per file version."""
@@ -62,11 +88,14 @@ class ArmFiles:
             return a
         return self._refs.get_or(_file_version(path), load)
 
+    def moved(self, e0_path, er_path) -> np.ndarray:
+        """||E_ref(t) - E_ref(0)|| per row: the reference's own movement, the same for every arm compared with it."""
+        return self._moved.get_or((_file_version(e0_path), _file_version(er_path)),
+                                  lambda: row_norms(self.ref_array(er_path), self.ref_array(e0_path)))
+
     def distances(self, ref_dir, arm_dir, buckets: dict, smooth: int) -> dict:
         """Every distance of one arm from its reference (see the module's docstring). Treat it as read-only."""
-        key = (str(Path(ref_dir).resolve()), str(Path(arm_dir).resolve()), smooth, _version(ref_dir),
-               _version(arm_dir), tuple((b, hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest())
-                                        for b, r in buckets.items()))
+        key = (_arm_identity(ref_dir), _arm_identity(arm_dir), smooth, _buckets_digest(buckets))
 
         def compute():
             d = scalar_distances(ref_dir, arm_dir, smooth, self)
@@ -74,6 +103,26 @@ class ArmFiles:
             d.update(kl_distances(ref_dir, arm_dir, self))
             return d
         return self._memo.get_or(key, compute)
+
+
+def row_norms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """||a - b|| per row, CHUNK_ROWS rows at a time (each row reduced exactly as a whole-array np.linalg.norm does:
+    the same float32 result); `a` may be memory-mapped, so it is read a chunk at a time."""
+    out = np.empty(len(a), dtype=np.result_type(a.dtype, b.dtype))
+    for i in range(0, len(a), CHUNK_ROWS):
+        out[i:i + CHUNK_ROWS] = np.linalg.norm(a[i:i + CHUNK_ROWS] - b[i:i + CHUNK_ROWS], axis=1)
+    return out
+
+
+def _arm_identity(arm_dir) -> tuple:
+    """An arm as its metrics file (device, inode, version): the same arm hard-linked into several cells is one arm;
+    an arm without one is known by its folder."""
+    p = Path(arm_dir) / "metrics.jsonl"
+    return _file_version(p) if p.exists() else ("path", str(Path(arm_dir).resolve()))
+
+
+def _buckets_digest(buckets: dict) -> tuple:
+    return tuple((b, hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest()) for b, r in buckets.items())
 
 
 def _file_version(path) -> tuple:
@@ -147,13 +196,12 @@ def drift_distances(ref_dir, arm_dir, buckets: dict, files: ArmFiles) -> dict:
     steps = sorted(set(snaps_r) & set(snaps_a))
     if not steps or 0 not in snaps_r:
         return {}
-    e0 = files.ref_array(snaps_r[0])
     per = {b: [] for b in buckets}
     last_rows = None
     for s in steps:
-        er, ea = files.ref_array(snaps_r[s]), np.load(snaps_a[s])
-        moved = np.linalg.norm(er - e0, axis=1)
-        apart = np.linalg.norm(ea - er, axis=1)
+        moved = files.moved(snaps_r[0], snaps_r[s])
+        # The arm's snapshot memory-mapped: read once, a chunk at a time, never whole in memory.
+        apart = row_norms(np.load(snaps_a[s], mmap_mode="r"), files.ref_array(snaps_r[s]))
         for b, rows in buckets.items():
             den = np.sqrt((moved[rows] ** 2).sum())
             per[b].append(np.sqrt((apart[rows] ** 2).sum()) / den if den > 0 else 0.0)
@@ -178,8 +226,3 @@ def kl_distances(ref_dir, arm_dir, files: ArmFiles) -> dict:
         vals.append(float((np.exp(lr) * (lr - la)).sum(-1, dtype=np.float64).mean()))
     v = np.maximum(np.asarray(vals), 0.0)
     return {"kl": {"steps": np.asarray(steps), "dist": v, "signed": v}}
-
-
-def _version(arm_dir) -> tuple:
-    p = Path(arm_dir) / "metrics.jsonl"
-    return _file_version(p) if p.exists() else (None,)

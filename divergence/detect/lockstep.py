@@ -8,6 +8,10 @@ measured against the oracle (the FlashAttention rule: a correct kernel stays wit
 error, with an absolute floor near the output dtype's rounding). The reference and null arms run no candidate code
 at all, so they can be shared by every candidate of a soak and cached (ab/share.py).
 
+Each checked call's outputs are also kept, with a copy taken then: the slot's next call, on other inputs, must
+leave them as they were (slots/outputs.py: a buffer the next call overwrites, as a replayed CUDA graph's, ends the
+arm with an OutputError in those words; Kernels refuses outputs that are more than plain tensors before any tap).
+
 Per checked step it adds to the arm's metrics: `lockstep/err_candidate`, `lockstep/err_reference` (relative L2
 error against the oracle, worst output; both of the same call, the step's worst call by the rule), `lockstep/cos`
 (cosine similarity with the oracle), `lockstep/score` (that call's rule.score, err_candidate / (RATIO x
@@ -17,8 +21,9 @@ over the step's calls: what the whole-record rule reads), `lockstep/calls`, and 
 `lockstep/max_abs_input` (error as a function of input magnitude).
 
 Judgement (rule.py): per call, each call's candidate error against that same call's reference error (one rmsnorm
-per layer: never the worst candidate call against the worst reference call of another layer); per step, WINDOW
-consecutive steps over the limit; over the whole record, the median per-step ratio (rule.record_judgement).
+per layer: never the worst candidate call against the worst reference call of another layer); over the record,
+rule.record_judgement (one step far over its limit, a count of steps over it among the last few, or the median
+per-step ratio).
 """
 from __future__ import annotations
 
@@ -29,12 +34,12 @@ import torch
 
 from ..candidates import globalstate
 from ..slots import SLOTS
+from ..errors import OutputError
 from ..slots.contract import as_tuple, oracle_inputs
+from ..slots.outputs import OVERWRITTEN, Flags, Kept, is_overwritten_error
 from . import bitwise, rule
 from .buckets import bucket_rows
 from .rule import RATIO, diff64 as _diff, record_judgement, record_ratio, rel_error as _rel, rounding_floor
-
-WINDOW = 3  # consecutive checked steps over the limit before "wrong": one unlucky batch is not a verdict
 
 
 def _row_sq(x: torch.Tensor) -> torch.Tensor:
@@ -67,13 +72,16 @@ class Lockstep:
         self.is_sum = torch.tensor([k in ("lockstep/ratio", "lockstep/calls") for k in keys])
         self.i_score = keys.index("lockstep/score")
         self.rows = {}  # step -> packed (len(keys),) float64 tensor on the device
-        self.history = []  # (step, wrong: bool, err_c, err_r) after each flush
+        self.history = []  # (step, wrong: bool, err_c, err_r, ratio, score) after each flush
         self.mutation = None  # device flags, one per tensor input: did the candidate write into it (no sync per step)
         self.tensor_names = None  # those inputs' names, from the first check (scalars such as eps have no flag)
         self.error = None  # the check itself failed (the reference op or the oracle raised): recorded once, stops
         self.given = None  # (step, copies of the inputs as the candidate got them), taken by `before`
         self.state = None  # torch's global state before the candidate's call, taken by `before`
         self.global_state = None  # what the candidate changed of it (the first time), put back after the call
+        # The last checked call's outputs with copies taken then (slots/outputs.py: Kept), and its step: the slot's
+        # next call, on other inputs, must leave them as they were; its device flags are read without a sync.
+        self.kept, self.overwrites = None, Flags()
         # The error metrics are the harness's own code: under `train.compile` they run as one compiled graph (about
         # 100 small kernels a check otherwise). The candidate and the oracle run as written (compiling the embedding
         # oracle with them failed to build in Triton 3.6 on the H200, 2026-11-21).
@@ -106,6 +114,7 @@ class Lockstep:
 
     def tap(self, slot, inputs, cand_out):
         step = self.rec.current_step
+        self._overwritten()
         given, self.given = self.given, None
         state, self.state = self.state, None
         if state is not None:
@@ -120,6 +129,8 @@ class Lockstep:
         except Exception as e:  # our own check failing must not end the candidate's arm: say so, check no more
             self.error = f"step {step}: {type(e).__name__}: {e}".splitlines()[0][:300]
             return
+        with torch.no_grad():
+            self.kept = (step, Kept(self.contract, as_tuple(cand_out), inputs))
         prev = self.rows.get(step)
         # Several calls per step (e.g. one rmsnorm per layer): each call was judged against its own reference
         # error (its score); the step keeps the whole row of the worst-scoring call, and sums the log-ratios.
@@ -129,6 +140,24 @@ class Lockstep:
             worse = row[self.i_score] > prev[self.i_score]
             row = torch.where(self.is_sum, row + prev, torch.where(worse, row, prev))
         self.rows[step] = row
+
+    def _overwritten(self):
+        """After each call of the slot: did it change the last checked call's outputs? An OutputError ends the arm:
+        what was checked is not what a caller that keeps an output reads (a CUDA graph's buffer, replayed)."""
+        kept, self.kept = self.kept, None
+        said = None
+        if kept is not None:
+            try:
+                with torch.no_grad():
+                    self.overwrites.add(kept[1].changed(), kept[0])
+            except RuntimeError as e:  # torch's own words for reading a CUDA-graph output a replay rewrote
+                if not is_overwritten_error(e):
+                    raise
+                said = kept[0]
+        said = self.overwrites.first() if said is None else said
+        if said is not None:
+            raise OutputError(f"{self.slot}: {self.impl.role} {self.impl.name}: {OVERWRITTEN} (an output of step "
+                              f"{said} changed at the slot's next call, on live inputs)")
 
     def _check(self, inputs, cand, live) -> torch.Tensor:
         """One call's metrics: `inputs` as the candidate got them, `cand` its outputs, `live` its input tensors
@@ -213,10 +242,10 @@ class Lockstep:
         for i, step in enumerate(have):
             vals = dict(zip(self.keys, values[i * k:(i + 1) * k]))
             vals["lockstep/ratio"] = math.exp(vals["lockstep/ratio"] / max(1.0, vals["lockstep/calls"]))
-            wrong = not vals["lockstep/score"] <= 1.0  # some call of the step broke the rule; NaN counts as wrong
+            wrong = rule.over_limit(vals["lockstep/score"])  # some call of the step broke the rule
             vals["lockstep/wrong"] = float(wrong)
             self.history.append((step, wrong, vals["lockstep/err_candidate"], vals["lockstep/err_reference"],
-                                 vals["lockstep/ratio"]))
+                                 vals["lockstep/ratio"], vals["lockstep/score"]))
             out[step] = vals
         return out
 
@@ -226,18 +255,15 @@ class Lockstep:
         return next((n for n, f in zip(self.tensor_names, self.mutation.cpu().tolist()) if f), None)
 
     def summary(self) -> dict:
-        run, first = 0, None
-        for step, wrong, *_ in self.history:
-            run = run + 1 if wrong else 0
-            if run >= WINDOW and first is None:
-                first = step - (WINDOW - 1) * self.every
-        worst = max(self.history, key=lambda h: h[2] / max(h[3], 1e-30), default=None)
-        record = record_judgement([h[0] for h in self.history], [h[4] for h in self.history])
-        firsts = [s for s in (first, record["first_step"]) if s is not None]
+        record = record_judgement(*zip(*[(h[0], h[4], h[5]) for h in self.history])) if self.history else \
+            record_judgement([], [], [])
+        worst = next((h for h in self.history if h[0] == record["worst_step"]), None)  # by score: the rule's worst
+        by_step = record["spike_step"] is not None or record["count_step"] is not None
         return {
             "slot": self.slot, "candidate": self.impl.name, "checked_steps": len(self.history),
-            "every": self.every, "wrong": bool(firsts), "first_wrong_step": min(firsts) if firsts else None,
-            "wrong_by_step": first is not None, "first_step_over": first, "record": record,
+            "every": self.every, "wrong": record["wrong"], "first_wrong_step": record["onset"],
+            "wrong_by_step": by_step, "first_step_over": next((h[0] for h in self.history if h[1]), None),
+            "record": record,
             "wrong_steps": sum(1 for h in self.history if h[1]),
             "worst_step": worst[0] if worst else None,
             "worst_err_candidate": worst[2] if worst else None,
@@ -248,7 +274,8 @@ class Lockstep:
             "error": self.error,
             "global_state": self.global_state,
             "rule": f"per call: err_candidate <= {RATIO} x err_reference + rounding floor, overall and per "
-                    f"frequency bucket; wrong after {WINDOW} consecutive checked steps over it, or when the median "
-                    f"per-step err_candidate / err_reference exceeds {record['limit']} over at least "
-                    f"{record['min_steps']} checked steps",
+                    f"frequency bucket; wrong when one checked step is over {rule.SPIKE:g}x that limit, when "
+                    f"{rule.OVER_COUNT} of any {rule.OVER_WINDOW} consecutive checked steps are over it, or when the "
+                    f"median per-step err_candidate / err_reference exceeds {rule.RECORD_RATIO:g} over at least "
+                    f"{rule.MIN_RECORD_STEPS} checked steps",
         }

@@ -18,6 +18,8 @@ joins the A/B with the lockstep check and the probe into one verdict and `exit_c
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 # Absolute floors per metric family, below which a distance is rounding noise whatever the nulls did.
@@ -71,7 +73,7 @@ def ahead(env: np.ndarray, steps: np.ndarray, lead: int) -> np.ndarray:
     0.035 at step 28 to 0.69-0.83 at step 32, null-6 to 0.29, the eight others stayed at 0.004-0.08 until then,
     and all were alike from step 40); judged step by step, an early onset alone was 5-6x the envelope. Over 132 resampled judgements of correct arms (2 seeds x 11 correct arms x 6 subsets of 4
     nulls, H200, 2026-11-23; benchmarks/rejudge.py) a lead of 5 steps took the findings from 5 to 1 at margin 3,
-    and over 21 known-good A/Bs from 3 to 0 (README.md, Calibration on the H200)."""
+    and over 21 known-good A/Bs from 3 to 0 (docs/calibration.md)."""
     if lead <= 0 or len(env) == 0:
         return env
     return env[np.searchsorted(steps, steps + lead, side="right") - 1]  # a running max: never below env
@@ -230,7 +232,7 @@ def optimizer_verdict(arm_status: dict, metric_results: list) -> dict:
     }
 
 
-SEVERITY = ["PASS", "INCONCLUSIVE", "WRONG", "DIVERGED", "NAN", "TIMEOUT", "CRASH", "ERROR"]
+SEVERITY = ["PASS", "INCONCLUSIVE", "WRONG", "DIVERGED", "NAN", "TIMEOUT", "CRASH", "ERROR", "TAMPERED"]
 
 
 def overall(per_opt: dict) -> str:
@@ -271,7 +273,7 @@ def ab_signal(per_opt: dict) -> dict:
 
 
 def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
-    from .rule import MIN_RECORD_STEPS
+    from .rule import MIN_RECORD_STEPS, over_words
 
     if not enabled:
         return _sig("SKIPPED", "lockstep check off (ab.lockstep_every: 0)")
@@ -288,26 +290,27 @@ def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
         elif ls.get("global_state"):
             findings.append(f"{o}: {ls['global_state']}")
         elif ls.get("wrong"):
-            how = []
-            if ls.get("first_step_over") is not None:
-                how.append(f"over the per-step limit from step {ls['first_step_over']}")
             rec = ls.get("record") or {}
-            if rec.get("wrong"):
-                how.append(f"median error {rec['median_ratio']:.2f}x the reference's over {rec['checked']} steps "
-                           f"(limit {rec['limit']:g}x, caught at step {rec['first_step']})")
-            findings.append(f"{o}: wrong on live inputs, " + " and ".join(how or ["see the lockstep record"]))
+            findings.append(f"{o}: wrong on live inputs from step {ls.get('first_wrong_step')}: "
+                            f"{rec.get('why') or 'see the lockstep record'}; {over_words(rec)}{_median(rec)}")
         elif ls.get("error"):
             unsure.append(f"{o}: the check stopped (its reference op or oracle raised) at {ls['error']}")
         elif (ls.get("checked_steps") or 0) < MIN_RECORD_STEPS:
             unsure.append(f"{o}: {ls.get('checked_steps') or 0} checked steps, fewer than {MIN_RECORD_STEPS}")
         else:
             rec = ls.get("record") or {}
-            fine.append(f"{o}: {ls['checked_steps']} steps, median {rec.get('median_ratio', float('nan')):.2f}x")
+            fine.append(f"{o}: {over_words(rec)}{_median(rec)}")
     if findings:
         return _sig("FINDING", "; ".join(findings))
     if unsure:
         return _sig("INCONCLUSIVE", "; ".join(unsure))
-    return _sig("PASS", "within the rule on every checked step and over the record: " + "; ".join(fine))
+    return _sig("PASS", "within the lockstep rule: " + "; ".join(fine))
+
+
+def _median(rec: dict) -> str:
+    m = rec.get("median_ratio")
+    lim = f" (limit {rec['limit']:g}x)" if rec.get("limit") is not None else ""
+    return "" if m is None else f", median error {m:.2f}x the reference's{lim}"
 
 
 def probe_signal(probe, enabled: bool = True, error=None) -> dict:
@@ -331,7 +334,7 @@ def probe_signal(probe, enabled: bool = True, error=None) -> dict:
 # Exit codes: 0 PASS; 1 a finding that the kernel is wrong or harms training (training harmed, op wrong by the
 # lockstep check or the probe, NaN/crash/hang of the candidate); 3 a finding of the weaker kind: weights or
 # gradients moved beyond the nulls while the loss, the lockstep check and the probe saw nothing (one such
-# DIVERGED on the H200 was a false positive, README.md: worth a re-run before it is believed); 2 no judgement:
+# DIVERGED on the H200 was a false positive, docs/calibration.md: worth a re-run before it is believed); 2 no judgement:
 # ERROR (harness) or INCONCLUSIVE (a check did not run to its end or had too little to judge). A gate that
 # deploys only on 0 is safe with all of them; 2 asks for a re-run (more steps, more nulls), 1 for a fix.
 def exit_code(result: dict) -> int:
@@ -346,7 +349,7 @@ def exit_code(result: dict) -> int:
 
 
 def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enabled: bool = True,
-            probe_error=None) -> dict:
+            probe_error=None, tripwire: Optional[dict] = None) -> dict:
     """Every witness together: the A/B (does training go elsewhere?), the lockstep check (is the op numerically
     wrong on this run's real inputs?) and the probe (is it wrong anywhere on its input families?). Returns the
     overall verdict, which case holds, the summary and each signal.
@@ -358,14 +361,34 @@ def combine(per_opt: dict, probe=None, lockstep_enabled: bool = True, probe_enab
       saw nothing;
     - failed (NAN, TIMEOUT, CRASH: exit 1; ERROR: exit 2);
     - inconclusive (INCONCLUSIVE, exit 2): no finding, and some signal could not be judged;
-    - equivalent (PASS, exit 0): every signal that ran passed.
+    - equivalent (PASS, exit 0): every signal that ran passed;
+    - tampered (TAMPERED, exit 1), before all of these: `tripwire` ({optimizer: detect/tripwire.check's result})
+      says an arm's files changed after it ended, or the candidate's arm trained exactly as the reference while its
+      outputs differed: what the other witnesses read is not what ran.
     """
     for v in per_opt.values():
         _fold_lockstep(v, lockstep_enabled)
     signals = {"ab": ab_signal(per_opt), "lockstep": lockstep_signal(per_opt, lockstep_enabled),
                "probe": probe_signal(probe, probe_enabled, probe_error)}
+    if tripwire is not None:
+        signals["tripwire"] = tripwire_signal(per_opt, tripwire)
     verdict, case, summary = _case(per_opt, signals)
     return {"verdict": verdict, "case": case, "summary": summary, "signals": signals}
+
+
+def tripwire_signal(per_opt: dict, tripwire: dict) -> dict:
+    """FINDING where a tripwire fired (each such optimizer's verdict, in place, TAMPERED with the first finding as
+    its detail), else PASS, naming the arms that had no seal to check."""
+    fired = {o: t["findings"] for o, t in tripwire.items() if t.get("findings")}
+    for o, found in fired.items():
+        if o in per_opt:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            per_opt[o].update(verdict="TAMPERED", detail=found[0] + more, tripwire=found)
+    if fired:
+        return _sig("FINDING", "; ".join(f"{o}: {f}" for o, found in fired.items() for f in found))
+    unsealed = [a for t in tripwire.values() for a in t.get("unsealed") or []]
+    return _sig("PASS", "every arm's files as sealed when it ended" +
+                (f"; no seal for {', '.join(unsealed)} (trained elsewhere)" if unsealed else ""))
 
 
 def _fold_lockstep(v: dict, lockstep_enabled: bool):
@@ -387,10 +410,15 @@ def _fold_lockstep(v: dict, lockstep_enabled: bool):
             v["verdict"] = "WRONG"
             v["detail"] = f"{ls['global_state']}, seen on live inputs (put back after each call)"
     if v["verdict"] in ("PASS", "INCONCLUSIVE") and ls.get("wrong"):
+        from .rule import over_words
+
+        rec = ls.get("record") or {}
         v["verdict"] = "WRONG"
-        v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']} (worst step: error "
-                       f"{_num(ls.get('worst_err_candidate'))} vs the reference's "
-                       f"{_num(ls.get('worst_err_reference'))}); training stayed inside the null envelope")
+        why = f": {rec['why']}" if rec.get("why") else ""
+        v["detail"] = (f"numerically wrong on live inputs from step {ls['first_wrong_step']}{why}; {over_words(rec)}, "
+                       f"error {_num(ls.get('worst_err_candidate'))} vs the reference's "
+                       f"{_num(ls.get('worst_err_reference'))} at step {ls.get('worst_step')}; training stayed inside "
+                       "the null envelope")
     elif v["verdict"] == "PASS" and lockstep_enabled and (ls.get("error") or not ls):
         v["verdict"] = "INCONCLUSIVE"
         v["detail"] = "the lockstep check did not run to its end: " + str(
@@ -406,6 +434,8 @@ def _op_checks_silent(words: dict) -> str:
 def _case(per_opt: dict, signals: dict) -> tuple:
     """(verdict, case, summary) from the optimizers' verdicts and the three signals (combine's docstring)."""
     words = {k: s["verdict"] for k, s in signals.items()}
+    if words.get("tripwire") == "FINDING":
+        return "TAMPERED", "tampered", f"the run's record cannot be trusted: {signals['tripwire']['reason']}"
     harmed = [o for o, v in per_opt.items() if v.get("harmed")]
     moved = [o for o, v in per_opt.items() if v.get("moved") and not v.get("harmed")]
     failed = [v["verdict"] for v in per_opt.values() if v["verdict"] in ("NAN", "TIMEOUT", "CRASH")]
@@ -425,7 +455,7 @@ def _case(per_opt: dict, signals: dict) -> tuple:
         masked = [o for o in per_opt if o not in harmed]
         if masked:
             summary += f"; masked under {', '.join(masked)}"
-        if not op_wrong:  # the A/B alone: on the H200 ~3 in 100 correct-arm judgements flag (README, Calibration)
+        if not op_wrong:  # the A/B alone: on the H200 ~3 in 100 correct-arm judgements flag (docs/calibration.md)
             summary += f"; {_op_checks_silent(words)} (confirm with another seed before believing it)"
     elif op_wrong:
         verdict, case = "WRONG", "wrong-but-masked"

@@ -21,10 +21,11 @@ VERDICT_WORDS = {
     "TIMEOUT": "the candidate hung or ran out of time",
     "ERROR": "the harness could not judge (a reference or null arm failed)",
     "INCONCLUSIVE": "no finding, but a check did not run to its end or had too little to judge",
+    "TAMPERED": "the arms' files changed after they ended, or the candidate did not drive its own training",
 }
 
 SIGNAL_NAMES = {"ab": "A/B training against the null arms", "lockstep": "lockstep check on live inputs",
-                "probe": "preflight probe against the float64 oracle"}
+                "probe": "preflight probe against the float64 oracle", "tripwire": "tripwire on the arms' files"}
 
 
 def metric_words(metric: str) -> str:
@@ -94,8 +95,9 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
 
 
 def lockstep_sentence(ls) -> str:
-    """The op-level check on the candidate arm's live inputs, in one sentence."""
-    from ..detect.rule import RATIO
+    """The op-level check on the candidate arm's live inputs, in one sentence: how many checked steps were over the
+    per-step limit and the worst, whatever the judgement (a pass never reads as "every step within")."""
+    from ..detect.rule import RATIO, over_words
 
     if not ls:
         return "not run"
@@ -106,16 +108,18 @@ def lockstep_sentence(ls) -> str:
         return "no step checked"
     worst = ""
     if ls.get("worst_err_candidate") is not None:
-        worst = (f"; worst at step {ls.get('worst_step')}: error {ls['worst_err_candidate']:.2g} vs the "
+        worst = (f"; at step {ls.get('worst_step')} the error was {ls['worst_err_candidate']:.2g} vs the "
                  f"reference's {ls['worst_err_reference']:.2g}")
     mut = f"; it writes to its input {ls['mutated_input']}" if ls.get("mutated_input") else ""
-    rec = ls.get("record") or {}
+    rec = dict(ls.get("record") or {}, checked=n)
+    rec.setdefault("over", ls.get("wrong_steps"))  # a record written before it counted them itself
     med = (f"; median error {rec['median_ratio']:.3g}x the reference's (limit {rec['limit']:g}x)"
            if rec.get("median_ratio") is not None else "")
     if ls.get("error"):
         mut += f"; stopped: the candidate raised at {ls['error']}"
+    limit = f"the per-step limit ({RATIO:g}x the reference's own error plus the rounding floor)"
+    said = over_words(rec).replace("the per-step limit", limit, 1)
     if ls.get("wrong"):
-        return (f"wrong from step {ls.get('first_wrong_step')}: {ls.get('wrong_steps')} of {n} checked steps "
-                f"over {RATIO:g}x the reference's own error plus the rounding floor{med}{worst}{mut}")
-    return (f"within {RATIO:g}x the reference's own error ({ls.get('wrong_steps', 0)} of {n} checked steps over)"
-            f"{med}{worst}{mut}")
+        why = f" ({rec['why']})" if rec.get("why") else ""
+        return f"wrong from step {ls.get('first_wrong_step')}{why}: {said}{med}{worst}{mut}"
+    return f"within the rule: {said}{med}{worst}{mut}"

@@ -37,6 +37,10 @@ class Contract:
     axes: Optional[dict] = None
     # Context keys and the axis each one is (fused_embed_rmsnorm: vocab_size is the `vocab` axis).
     context_axes: dict = field(default_factory=dict)
+    # Outputs are contiguous (row-major), as SOL-ExecBench's destination buffers are; a gradient output becomes a
+    # `.grad` or a buffer autograd adds into, where an overlapping layout (an expanded row) breaks in-place updates.
+    # False where the reference's own output follows its inputs' layout (rope: views of the fused qkv projection).
+    contiguous: bool = True
 
 
 def as_tuple(out) -> tuple:

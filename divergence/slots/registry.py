@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from ..errors import CandidateError
 from .contract import Contract, as_tuple
+from .outputs import check_input_hooks, hooks_of, plain_outputs
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Kernels:
         self.impls = dict(impls)
         self.context = dict(context or {})
         self.taps: list = []  # (fn, slots or None for all, before or None)
+        # slot -> the gradients its last call handed autograd (model/ops.py), where the arm compares them with the
+        # `.grad` its optimizer reads (train/module.py); None: nobody asked
+        self.handed: Optional[dict] = None
 
     def contract(self, slot: str) -> Contract:
         from . import SLOTS
@@ -62,7 +66,15 @@ class Kernels:
         for _, slots, before in self.taps:
             if before is not None and (slots is None or slot in slots):
                 before(slot, inputs)
-        out = impl.fn(*inputs, **ctx)
+        if impl.role == "reference":
+            out = impl.fn(*inputs, **ctx)
+        else:
+            # Not the reference: its outputs must be plain data (slots/outputs.py), and the object the taps (the
+            # lockstep check) measure is the object returned to training, op for op.
+            who, contract = f"{impl.role} {impl.name}", self.contract(slot)
+            hooks = hooks_of(inputs)
+            out = plain_outputs(contract, impl.fn(*inputs, **ctx), inputs, who)
+            check_input_hooks(contract, hooks, inputs, who)
         for tap, slots, _ in self.taps:
             if slots is None or slot in slots:
                 tap(slot, inputs, out)

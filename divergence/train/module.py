@@ -7,8 +7,11 @@ import contextlib
 import lightning.pytorch as pl
 import torch
 
+from ..detect import bitwise
+from ..errors import OutputError
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs
+from ..slots.outputs import TENSOR_HOOKS, Flags
 from .norms import UpdateRatio, group_norms
 from .optim import build_optimizer, lr_lambda
 from .stepgraph import StepGraph
@@ -39,6 +42,8 @@ class ArmModule(pl.LightningModule):
         self.register_buffer("group_of", torch.tensor(groups), persistent=False)  # moves to the device with the module
         self.update_ratio = None  # train/norms.UpdateRatio, from the first step (on the device)
         self.params = None  # the parameters in order, listed once (at the first step, on the device)
+        runs_candidate = any(i.role == "candidate" for i in kernels.impls.values())
+        self.untouched = Untouched(kernels) if runs_candidate else None
 
     def configure_optimizers(self):
         cfg = self.recipe.optimizers[self.opt_name]
@@ -50,6 +55,8 @@ class ArmModule(pl.LightningModule):
     def training_step(self, batch, _):
         x, y = batch
         step = self.step_no
+        if self.untouched is not None and self.untouched.base is None:  # before the first evaluation calls any slot
+            self.untouched.start(self, self.optimizers().optimizer)
         self.sink.before_step(self, step)
         opt = self.optimizers()
         sched = self.lr_schedulers()
@@ -83,6 +90,8 @@ class ArmModule(pl.LightningModule):
             torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs may be reused
         loss = self.model(x, y)
         self.manual_backward(loss)
+        if self.untouched is not None:  # before clipping: it rescales .grad, legitimately
+            self.untouched.after_backward(self, self.step_no)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         gnorm = group_norms(grads, self.group_of, len(PARAM_GROUPS))
         if self.recipe.train.grad_clip is not None:
@@ -94,6 +103,8 @@ class ArmModule(pl.LightningModule):
         # teardown moves it to the CPU, where the h200 recipe's final evaluation took 10 s (H200, 2026-11-21).
         # Under the training precision, as every other evaluation (which run inside training_step): outside it, the
         # last one ran in fp32 under bf16-mixed (seen as fp32 GEMMs in a profile).
+        if self.untouched is not None:
+            self.untouched.finish()
         with self.trainer.precision_plugin.forward_context():
             self.sink.finish(self)
 
@@ -143,3 +154,91 @@ class ArmModule(pl.LightningModule):
         finally:
             self.model.train(was)
 
+
+class Untouched:
+    """In an arm that runs candidate code, what the optimizer reads is what the slots returned. After every backward
+    (before the optimizer step): no hook added to or changed on any parameter, module or the optimizer, nor among
+    torch's global module and optimizer hooks, no parameter or module swapped, no module method overridden on the
+    instance; and where a candidate fills `fused_embed_rmsnorm`, the `.grad` of the embedding and of its norm weight
+    equal, bit for bit, the gradients the slot handed autograd (model/ops.py). The second catches what no hook
+    dictionary shows, e.g. a hook on the parameter's AccumulateGrad node that rewrites `.grad` after the lockstep
+    check measured the slot's outputs. Either ends the arm with an OutputError naming what changed."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.grads = kernels.impls["fused_embed_rmsnorm"].role == "candidate"
+        if self.grads:
+            # Held until compared: AccumulateGrad then copies them into `.grad` (it steals only a gradient nobody
+            # else holds), so a later write into `.grad` cannot also rewrite what it is compared with.
+            kernels.handed = {}
+        self.base, self.optimizer = None, None
+        self.flags = Flags()  # device flags of the gradient comparison: read without a sync per step
+
+    def start(self, module, optimizer):
+        """At the first step, before any call of the candidate in training: the state every later step must keep."""
+        self.optimizer = optimizer
+        self.base = hook_state(module, optimizer)
+
+    def after_backward(self, module, step: int):
+        now = hook_state(module, self.optimizer)
+        if now != self.base:
+            what = [k for k in self.base.keys() | now.keys() if self.base.get(k) != now.get(k)]
+            raise OutputError(f"the candidate changed hooks or objects of the training run at step {step}: "
+                              f"{', '.join(sorted(what)[:5])}{' ...' if len(what) > 5 else ''} (what the optimizer "
+                              "reads is then not what the slots returned)")
+        if self.grads:
+            handed = self.kernels.handed.pop("fused_embed_rmsnorm", None)
+            if handed is not None:
+                model = module.model
+                pairs = [("embed", model.embed, handed[0]), ("embed_norm", model.embed_norm, handed[1])]
+                if model.head.weight is model.embed:  # tied: the head adds its own gradient to the embedding's
+                    pairs = pairs[1:]
+                for name, p, g in pairs:
+                    bad = torch.ones((), dtype=torch.bool) if p.grad is None else bitwise.changed(p.grad, g)
+                    self.flags.add(bad, (step, name))
+        self._raise(self.flags.first())
+
+    def finish(self):
+        self._raise(self.flags.first(wait=True))
+
+    def _raise(self, bad):
+        if bad is not None:
+            step, name = bad
+            raise OutputError(f"fused_embed_rmsnorm: the .grad of {name} that the optimizer reads differs from "
+                              f"the gradient the candidate returned (step {step}): something rewrote it after the "
+                              "slot's call (a hook)")
+
+
+def _hooks_of(label: str, obj) -> dict:
+    """An object's identity and class, each of its hook dictionaries (by identity and content), and its instance
+    attributes that shadow a method of its class (a method overridden on the instance)."""
+    d = vars(obj)
+    out = {label: (id(obj), type(obj)),
+           f"{label}: methods set on the instance": tuple((k, id(v)) for k, v in d.items()
+                                                          if callable(getattr(type(obj), k, None)))}
+    out.update({f"{label}: {k}": _items(v) for k, v in d.items() if "hook" in k})
+    return out
+
+
+def _items(v):
+    return (id(v), tuple(v.items())) if isinstance(v, dict) else v
+
+
+def hook_state(module, optimizer) -> dict:
+    """Everything through which code outside the slots' outputs could change what training does with them: each
+    module's and parameter's hooks (and identity and class), the optimizer's, and torch's global ones."""
+    import torch.nn.modules.module as nn_module
+    import torch.optim.optimizer as optim_module
+
+    out = {}
+    for n, m in module.named_modules():
+        out.update(_hooks_of(f"module {n or '(root)'}", m))
+    for n, p in module.named_parameters():
+        out[f"parameter {n}"] = (id(p), type(p))
+        out.update({f"parameter {n}: {h}": _items(getattr(p, h)) for h in TENSOR_HOOKS})
+    if optimizer is not None:
+        out.update(_hooks_of("optimizer", optimizer))
+    for mod in (nn_module, optim_module):
+        out.update({f"{mod.__name__}.{k}": _items(v) for k, v in vars(mod).items()
+                    if k.startswith("_global_") and "hook" in k})
+    return out

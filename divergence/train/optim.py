@@ -2,7 +2,7 @@
 
 Under `train.compile` on CUDA (the GPU recipes) AdamW is torch's fused one (`fused=True`: one kernel for all the
 parameters of a dtype, where foreach makes a dozen passes). Every arm of a run builds its optimizer the same way, so
-the arms still differ only in their kernels. Measured in README.md (On one H200, 2026-11-25). Compiling our
+the arms still differ only in their kernels. Measured in docs/performance.md (one H200, 2026-11-25). Compiling our
 Adafactor's update and the step's metrics with inductor was tried the same day and measured worse: inductor split
 the foreach norms into a kernel per tensor (202 launches per SGD step; 76 eager, on an H100) and SGD's step went
 from 8.02 to 8.30 ms; the compiled Adafactor update ran op by op in the profile (its compilation given up) and

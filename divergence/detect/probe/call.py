@@ -1,14 +1,17 @@
 """One input family's checks, run where the candidate lives (the probe's worker process, isolate.py): the call on
 copies of the inputs, then checks.py's accuracy, mutation, determinism and caching checks against the float64
 oracle and the reference, whose outputs are prepared once per (family, seed) and kept in the run's Prepared, a
-small LRU."""
+small LRU. Every call's outputs must be plain tensors (`outputs` finding), and on a deep family the first call's
+must keep their values through the later calls (`overwritten`; slots/outputs.py says why)."""
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import torch
 
+from ...errors import OutputError
 from ...slots.contract import as_tuple, oracle_inputs
+from ...slots.outputs import OVERWRITTEN, Kept, is_overwritten_error, output_problem
 from . import checks
 from .inputs import family_seed
 
@@ -21,13 +24,27 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
     slot = contract.name
 
     def call(inputs):
-        out = as_tuple(impl.fn(*inputs, **ctx))
+        out = impl.fn(*inputs, **ctx)
         if device == "cuda":
             torch.cuda.synchronize()  # an asynchronous kernel error surfaces here, inside the guard
-        return out
+        said = output_problem(contract, out, inputs)  # plain tensors only (slots/outputs.py)
+        if said:
+            raise checks.NotData(said)
+        return as_tuple(out)
 
     def failed(e, when=""):
+        if isinstance(e, checks.NotData):
+            return checks._finding("outputs", None, f"{when}{e}")
+        if isinstance(e, OutputError):  # said by the candidate's kernel server (sandbox/client.py) in the same words
+            return checks._finding("outputs", None, f"{when}{checks.one_line(e, slot)}")
+        if is_overwritten_error(e):  # the candidate read an earlier output of its own, rewritten since
+            return checks._finding("overwritten", None, f"{when}{OVERWRITTEN}")
         return checks._finding("exception", None, f"{when}{checks.one_line(e, slot)}")
+
+    if fam.calls > 1:  # the long-run family: many calls, a sample of them judged (longrun.py)
+        from .longrun import long_run
+
+        return long_run(contract, fam, seed, device, destination, prepared, call, failed)
 
     with torch.no_grad():
         given = _clone(kept)
@@ -40,35 +57,52 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
         out += acc
         if not fam.deep:
             return out
-
-        # Determinism, and equal values in fresh storage: the same input, copied afresh, run again.
-        runs, alive = [cand], []  # the copies stay alive, so later fresh tensors cannot take their addresses
-        for k in range(REPEATS - 1):
-            alive.append(_clone(kept))
-            try:
-                runs.append(call(alive[-1]))
-            except Exception as e:
-                return out + [failed(e, f"run {k + 2} of {REPEATS} on the same input: ")]
-        out += checks.spread(contract, runs, orc, errs)
-
-        # No caching: another draw of the family written into the first call's storage, then in fresh tensors.
-        case2, orc2, ref2 = prepared.get(contract, fam, seed, device, again=True)
-        new = case2.inputs
-        if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
-            return out  # a family whose shapes vary between draws: nothing to reuse
-        reused = tuple(a.copy_(b) if isinstance(a, torch.Tensor) else b for a, b in zip(given, new))
         try:
-            again = call(reused)
-        except Exception as e:
-            return out + [failed(e, "new values in reused storage: ")]
-        out += checks.stale("reuse", contract, again, ref2, orc2, cand, errs,
-                            "new values in the storage of the previous call's inputs")
+            return out + _later_calls(contract, call, failed, kept, given, cand, orc, errs, prepared, fam, seed,
+                                      device)
+        except RuntimeError as e:  # reading the first call's outputs after a CUDA graph's replay rewrote them
+            if not is_overwritten_error(e):
+                raise
+            return out + [checks._finding("overwritten", None, OVERWRITTEN)]
+
+
+def _later_calls(contract, call, failed, kept, given, cand, orc, errs, prepared, fam, seed, device) -> list:
+    """A deep family's calls after the first: determinism, then no caching. The first call's outputs are kept with
+    a copy taken at the time (slots/outputs.py: Kept), and must still hold their values after each later call."""
+    first, out = Kept(contract, cand, given), []
+
+    def moved() -> list:
+        return [checks._finding("overwritten", None, OVERWRITTEN)] if bool(first.changed()) else []
+
+    # Determinism, and equal values in fresh storage: the same input, copied afresh, run again.
+    runs, alive = [cand], []  # the copies stay alive, so later fresh tensors cannot take their addresses
+    for k in range(REPEATS - 1):
+        alive.append(_clone(kept))
         try:
-            fresh = call(_clone(new))
+            runs.append(call(alive[-1]))
         except Exception as e:
-            return out + [failed(e, "new values in fresh storage: ")]
-        out += checks.stale("fresh_storage", contract, fresh, ref2, orc2, cand, errs,
-                            "new values in fresh tensors after earlier calls")
+            return out + [failed(e, f"run {k + 2} of {REPEATS} on the same input: ")]
+    out += checks.spread(contract, runs, orc, errs)
+
+    # No caching: another draw of the family written into the first call's storage, then in fresh tensors.
+    case2, orc2, ref2 = prepared.get(contract, fam, seed, device, again=True)
+    new = case2.inputs
+    if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
+        return out  # a family whose shapes vary between draws: nothing to reuse
+    reused = tuple(a.copy_(b) if isinstance(a, torch.Tensor) else b for a, b in zip(given, new))
+    for check, inputs, when, how in (
+            ("reuse", lambda: reused, "new values in reused storage: ",
+             "new values in the storage of the previous call's inputs"),
+            ("fresh_storage", lambda: _clone(new), "new values in fresh storage: ",
+             "new values in fresh tensors after earlier calls")):
+        try:
+            got = call(inputs())
+        except Exception as e:
+            return out + moved() + [failed(e, when)]
+        said = moved()  # new values: an overwritten first output differs from its copy now
+        if said:  # and equals this call's answer, which stale() would call a cache
+            return out + said
+        out += checks.stale(check, contract, got, ref2, orc2, cand, errs, how)
     return out
 
 

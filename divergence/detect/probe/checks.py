@@ -16,8 +16,12 @@ from ..rule import allowed, rel_error as _rel
 from ...slots.contract import Contract
 
 # The kinds of finding, in the order the table lists them; crash and timeout are the worker's watchdog's (isolate.py).
-CHECKS = ("crash", "timeout", "exception", "global_state", "late_write", "mutated_input", "unwritten", "nonfinite", "error", "row_error", "nondeterministic",
-          "reuse", "fresh_storage")
+CHECKS = ("crash", "timeout", "exception", "outputs", "overwritten", "global_state", "late_write", "mutated_input",
+          "unwritten", "nonfinite", "error", "row_error", "nondeterministic", "reuse", "fresh_storage")
+
+
+class NotData(Exception):
+    """The candidate's outputs are more than plain tensors (slots/outputs.py says what): an `outputs` finding."""
 
 
 def one_ulp(o: torch.Tensor, dtype: torch.dtype) -> float:

@@ -3,27 +3,35 @@
 A family is a name, the shape keywords it uses (for the findings table) and `build(gen, device) -> Case`. Every
 family draws from its own generator, seeded from the run's seed and the family's name, so `--seed N` rebuilds
 exactly the inputs of a finding. Shapes are the contract's own, odd ones, ones that are not multiples of 8, 16 or
-128, a batch of one and long sequences; token ids are uniform, Zipfian at several exponents, drawn from real text,
-or one id everywhere; magnitudes go from what SOL-ExecBench fed (logits in (0, 1)) to |x| of 100 and beyond.
+128, a batch of one and long sequences, and a production micro-batch (`production`: 2^17 tokens a call); token ids
+are uniform, Zipfian at several exponents, drawn from real text, or one id everywhere; magnitudes go from what
+SOL-ExecBench fed (logits in (0, 1)) to |x| of 100 and beyond. One family per slot, `long-run`, is called thousands
+of times (longrun.py).
 """
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 
 from ...slots import attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu
+from . import longrun
 
 FREQUENT_ROWS = 16  # rows checked one by one in a scatter output: the most frequent ids, those seen twice or more
 # The vocabulary of the real text (`corpus` families: WikiText-2 through a byte-level BPE of this size, cached
 # under data/ after the first run) and of the synthetic Zipf and one-id families set beside it: one vocabulary, so
-# their ids differ only in how they are distributed (README's op-level table makes that comparison at this size,
+# their ids differ only in how they are distributed (docs/story.md's op-level table makes that comparison at this size,
 # with word-level ids: a bf16-accumulating kernel's error 3.39e-3 on uniform ids, 2.43e-2 on real text). Chosen,
 # not tuned: the recipes' default tokenizer size (DataConfig.vocab_size). A declared vocabulary below it leaves
 # the corpus family out (shapes.py): its ids would not fit.
 VOCAB = 4096
+# Tokens per call of the `production` families: training's micro-batches are 2^17 = 131,072 tokens and more, twice
+# the GPU's `large` family and 8x the CPU's longest. A kernel with a path of its own for big calls (a split
+# reduction switched on above 65,536 tokens, say) is judged on it only at that size. Kept cheap on the CPU by a
+# narrow width: 0.1-0.7 s per slot for the float64 oracle (2-core CPU, 2026-11-27).
+PRODUCTION_TOKENS = 1 << 17
 
 
 @dataclass
@@ -40,9 +48,16 @@ class Family:
     build: Callable  # (generator, device) -> Case
     deep: bool = False  # also run the determinism and storage-reuse checks on it (they cost 5 more calls)
     gpu_only: bool = False  # too slow for the CPU budget
+    calls: int = 1  # above 1: a long run, this many calls with a sample of them judged (longrun.py)
 
     def shape_str(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.shape.items())
+
+
+def long_run(fam: Family) -> Family:
+    """`fam` as the long-run family: longrun.CALLS calls on copies of two of its draws, alternating."""
+    return replace(fam, name="long-run", shape={**fam.shape, "calls": longrun.CALLS}, deep=False,
+                   calls=longrun.CALLS)
 
 
 def family_seed(seed: int, name: str) -> int:
@@ -156,6 +171,8 @@ def embed_families(text: RealText) -> list:
         _embed("batch-1", z, 1, 64, 64, 512),
         _embed("one-token", uniform_ids, 1, 1, 64, 512),
         _embed("long-seq", z, 1, 16384, 64, VOCAB),
+        long_run(_embed("zipf-1.1", z, 4, 128, 64, 512)),  # the contract's shapes, with frequent rows
+        _embed("production", z, 32, PRODUCTION_TOKENS // 32, 64, VOCAB),
         # NOTES' op-level shape: 65,536 tokens, hidden 384, vocabulary 16,384 (the bf16 CPU model is slow there)
         _embed("large", z, 16, 4096, 384, 16384, gpu_only=True),
     ]
@@ -191,6 +208,8 @@ def norm_families(mod) -> list:
         _norm(mod, "hidden-4000", 16, 4000),  # a multiple of 16, not of 128
         _norm(mod, "batch-1", 1, 64),
         _norm(mod, "long", 16384, 64),
+        long_run(_norm(mod, "contract", 256, 64)),
+        _norm(mod, "production", PRODUCTION_TOKENS, 64),
     ]
 
 
@@ -228,6 +247,8 @@ def rope_families() -> list:
         _rope("head-dim-80", 2, 2, 64, 80),  # a multiple of 16, not of 128
         _rope("batch-1", 1, 2, 64, 16),
         _rope("long-seq", 1, 2, 8192, 64, theta=500000.0),
+        long_run(_rope("contract", 2, 2, 64, 16)),
+        _rope("production", 32, 1, PRODUCTION_TOKENS // 32, 16, theta=500000.0),  # 32 sequences of 4096
     ]
 
 
@@ -261,6 +282,9 @@ def softcap_families() -> list:
         _softcap("odd", 1, 3, 37),
         _softcap("batch-1", 1, 2, 64),
         _softcap("long-seq", 1, 1, 2048),
+        long_run(_softcap("contract", 2, 2, 64)),
+        # 131,072 query rows as 2,048 sequences of 64: a production call's row count, without its seq^2 scores
+        _softcap("production", PRODUCTION_TOKENS // 64, 1, 64),
     ]
 
 
@@ -282,6 +306,8 @@ def swiglu_families() -> list:
         _swiglu("ff-4000", 16, 4000),
         _swiglu("batch-1", 1, 176),
         _swiglu("long", 16384, 176),
+        long_run(_swiglu("contract", 256, 176)),
+        _swiglu("production", PRODUCTION_TOKENS, 64),  # ff 64: the oracle of 176 took 1.7 s here
     ]
 
 
@@ -308,6 +334,8 @@ def ce_families(text: RealText) -> list:
         _ce("vocab-50257", 64, 50257),  # GPT-2's: odd, and no power of two divides it
         _ce("batch-1", 1, 512),
         _ce("long", 8192, 512),
+        long_run(_ce("contract", 256, 512)),
+        _ce("production", PRODUCTION_TOKENS, 128),  # vocab 128: the oracle of 512 took 2.7 s here
     ]
     v = text.vocab()
     if v is not None:

@@ -13,6 +13,14 @@ sent. The parent watches it:
 and in each case the next family runs in a fresh worker. The worker's stdout and stderr (the candidate's prints, a
 segfault's dump) go to `worker.log` beside probe.json.
 
+On a GPU the probe shares it with other work (the A/B's arms, other probes), and running out of its memory there is
+not the candidate's doing: while its worker lives the probe holds the GPU's lock shared (divergence/gpu.py), and a
+family that ran out of GPU memory (the candidate's call, or the checks after it) runs again in a fresh worker with
+the lock held exclusively, once every other divergence arm and probe has let go of the GPU (new ones wait
+meanwhile) and this worker's own memory is gone with its process. Only out of memory then is a finding, naming what
+it tried to allocate; a GPU not to be had alone within `Limits.alone_s` leaves the family unjudged (NOT_ALONE in a
+note: the probe's verdict is INCONCLUSIVE, with the free memory named), never a finding.
+
 Before forking, the parent builds every family's inputs, float64 oracle and reference outputs (the run's
 call.Prepared): the worker inherits them without a copy, and probing several candidates with one seed and one
 Prepared builds them once. A spawned worker builds them itself, on its own device.
@@ -31,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from ... import gpu as G
 from ...candidates import globalstate
 from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ...errors import CandidateError
@@ -44,11 +53,14 @@ class Limits:
     calls` (1 call, or 5 on a deep family). Measured 2026-11-23 on the 2-core CPU machine (torch 2.13, load
     average 6-8 from other work): the slowest default family of any CPU zoo member took 1.3 s (softcap_wrong_cap,
     long-seq: 4.2M scores), so 30 s leaves a slow but honest kernel 20x room; on CUDA the first call of a Triton
-    kernel compiles it (~5 s on the H200, README)."""
+    kernel compiles it (~5 s on the H200, docs/probe.md)."""
     family_s: float = 30.0  # base per family
     per_melement_s: float = 2.0  # per million input elements per call
     load_s: float = 600.0  # starting the worker and importing the candidate (a CUDA C++ source compiles here)
     prepare_s: float = 300.0  # building one family's inputs and oracle in the worker (harness code, not timed)
+    # Waiting for the GPU to itself, after a family ran out of its memory: other probes' sweeps end within their 30 s
+    # budget, an A/B's arms on the GPU within minutes (its scheduler starts no more there while the probe waits)
+    alone_s: float = 600.0
 
     def family(self, elements: int, calls: int) -> float:
         return self.family_s + self.per_melement_s * elements / 1e6 * calls
@@ -252,8 +264,11 @@ def _load(conn, slot, spec, device, fams, names, rebuild):
                                      "worker (not picklable, not built in)"))
             return None
         fams = [by_name[n] for n in names]
+    from ...sandbox import isolation_of
+
     conn.send(("loaded", {"name": impl.name, "role": impl.role, "origin": impl.origin, "sha256": impl.sha256,
-                          "convention": impl.meta.get("convention", "returning")}))
+                          "convention": impl.meta.get("convention", "returning"),
+                          "settings": impl.meta.get("settings", []), **isolation_of(impl)}))
     return impl, fams
 
 
@@ -286,7 +301,7 @@ def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destinatio
 
 
 # How long after its first call in a family the candidate's tensors are watched for late writes: 0.5 to 0.9 s
-# over the seven slots' default sweeps (measured, README); the battery's writers (a thread writing every 1 ms, or
+# over the seven slots' default sweeps (measured, docs/isolation.md); the battery's writers (a thread writing every 1 ms, or
 # once after 2 ms) are seen.
 WATCH_S = 0.01
 _CUDA_FATAL = ("CUDA error", "device-side assert", "illegal memory access")
@@ -296,7 +311,7 @@ class _Watch:
     """The candidate's function, watched: after its first call in each family, its outputs and inputs are read
     again WATCH_S later (then with the device synchronised, every stream) and must not have changed. A kernel still running on
     another stream, or a thread the candidate left writing, changes them after the call returned: what the
-    harness measured was not what training would get. A write later than WATCH_S goes unseen (README)."""
+    harness measured was not what training would get. A write later than WATCH_S goes unseen (docs/isolation.md)."""
 
     def __init__(self, fn, contract, device):
         self.fn, self.contract, self.device = fn, contract, device
@@ -305,10 +320,17 @@ class _Watch:
     def __call__(self, *inputs, **ctx):
         from ...slots.contract import as_tuple
 
+        remote = getattr(self.fn, "sandbox", None)  # a kernel server: the watch runs there (sandbox/client.py)
+        if remote is not None and self.first:
+            remote.watch_next = WATCH_S
         out = self.fn(*inputs, **ctx)
         if not self.first:
             return out
         self.first = False
+        if remote is not None:  # what we hold cannot change after the call; what it held there can
+            for kind, name in remote.late:
+                self.findings.append(checks._finding("late_write", name, _late_words(kind, name)))
+            return out
         # Outputs are read on the current stream (what the next op in training would see); inputs as they are.
         named = [(n, x) for n, x in zip(self.contract.outputs, as_tuple(out))] + \
                 [(n, x) for n, x in zip(self.contract.inputs, inputs)]
@@ -322,10 +344,13 @@ class _Watch:
         for (name, x), was in zip(named, seen):
             if bool(bitwise.changed(x, was)):  # bit for bit (bitwise.py): a NaN written over a 0 is a write
                 kind = "output" if name in self.contract.outputs else "input"
-                self.findings.append(checks._finding(
-                    "late_write", name, f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the candidate "
-                                        "returned (a kernel or thread still writing)"))
+                self.findings.append(checks._finding("late_write", name, _late_words(kind, name)))
         return out
+
+
+def _late_words(kind: str, name: str) -> str:
+    return (f"{kind} {name} changed within {WATCH_S * 1e3:.0f} ms after the candidate returned (a kernel or thread "
+            "still writing)")
 
 
 def _start(slot: str, spec, *args) -> Worker:
@@ -349,6 +374,62 @@ def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
     return w.meta
 
 
+# In the note of a family that ran out of GPU memory beside other work and could not have the GPU alone (run.py
+# makes such a probe's verdict INCONCLUSIVE)
+NOT_ALONE = "not judged: out of GPU memory beside other work on the GPU"
+
+
+class ProbeGpu:
+    """The probe's GPU: its lock (divergence/gpu.GpuLock) and `query()` -> (free, total) bytes."""
+
+    def __init__(self, lock, query):
+        self.lock, self.query = lock, query
+        self.refused = False  # not had alone once: later families are not waited for again (14 x alone_s)
+        self.waited_s = 0.0  # waiting for the lock, which the sweep's time budget does not count
+
+
+def gpu_for(device: str) -> Optional[ProbeGpu]:
+    """The GPU the probe's worker runs on (cuda:0 of this process), or None on the CPU."""
+    if device != "cuda":
+        return None
+    return ProbeGpu(G.GpuLock(G.gpu_id(0)), lambda: G.mem_get_info(0))
+
+
+def _out_of_memory(finding: dict) -> bool:
+    return finding["check"] == "exception" and G.is_oom(finding.get("detail"))
+
+
+def _again_alone(gpu: ProbeGpu, fam, limits: Limits, notes: list, got: list, run) -> list:
+    """A family whose findings `got` include running out of GPU memory, once more with the GPU to itself (`run()`:
+    its findings from a fresh worker, which the caller closed the last one for): its findings then, out of memory
+    named as a finding alone; or, where the GPU is not to be had alone within limits.alone_s, the other findings and
+    a NOT_ALONE note."""
+    gpu.lock.release()
+    t = time.perf_counter()
+    try:
+        alone = gpu.lock.wait("alone", 0.0 if gpu.refused else limits.alone_s)
+        gpu.waited_s += time.perf_counter() - t
+        if not alone:
+            gpu.refused = True
+            free, total = gpu.query()
+            notes.append(f"family {fam.name} ({fam.shape_str()}) {NOT_ALONE}, which was not free of other divergence "
+                         f"arms and probes to run it alone (waited for up to {limits.alone_s:g} s once in this "
+                         f"probe; {G.gib(free)} of {G.gib(total)} free)")
+            return [f for f in got if not _out_of_memory(f)]
+        again = run()
+    finally:
+        gpu.lock.release()
+        t = time.perf_counter()
+        gpu.lock.wait("shared", limits.alone_s)  # not had: the sweep goes on unlocked, as without a lock
+        gpu.waited_s += time.perf_counter() - t
+    if any(_out_of_memory(f) for f in again):
+        total = gpu.query()[1]
+        return [dict(f, detail=G.alone_oom(f["detail"], total)) if _out_of_memory(f) else f for f in again]
+    notes.append(f"family {fam.name} ({fam.shape_str()}) ran out of GPU memory beside other work on the GPU; run "
+                 "again with the GPU to itself")
+    return again
+
+
 def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Optional[Limits] = None,
           on_loaded=None, rebuild: Optional[tuple] = None, prepared=None) -> tuple:
     """Every family in a worker, within the time budget: (candidate meta, findings, per-family records, notes).
@@ -363,7 +444,15 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     findings, ran, notes = [], [], list(notes)
     if _context(device)[1]:
         prepare_all(SLOTS[slot], fams, seed, device, prepared)
-    worker = _start(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
+    gpu = gpu_for(device)
+    if gpu is not None:
+        gpu.lock.wait("shared", limits.alone_s)  # not had (someone has the GPU alone that long): on, unlocked
+    try:
+        worker = _start(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
+    except BaseException:
+        if gpu is not None:
+            gpu.lock.release()
+        raise
     meta = worker.meta
     if on_loaded:
         on_loaded(meta)
@@ -383,10 +472,18 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             try:
                 if worker is None:
                     worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
-                got, _, fatal = worker.family(i, REPEATS + 2 if fam.deep else 1)  # runs, reuse, fresh storage
+                got, _, fatal = worker.family(i, REPEATS + 2 if fam.deep else fam.calls)  # runs, reuse, fresh storage
                 dead = 0
                 if fatal:
                     worker = None
+                if gpu is not None and any(_out_of_memory(f) for f in got):
+                    if worker is not None:  # its memory goes with its process
+                        worker.close()
+                        worker = None
+                    got = _again_alone(gpu, fam, limits, notes, got, lambda: _family_once(
+                        Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared), i,
+                        REPEATS + 2 if fam.deep else fam.calls))  # as above
+                    t0, gpu.waited_s = t0 + gpu.waited_s, 0.0  # the budget is the candidate's time, not the wait's
             except WorkerDied as e:
                 worker, dead = None, dead + 1
                 # The table names the family and shape; identical details merge into one line (run.py).
@@ -400,7 +497,17 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     finally:
         if worker is not None:
             worker.close()
+        if gpu is not None:
+            gpu.lock.release()
     return meta, findings, ran, notes
+
+
+def _family_once(worker: Worker, i: int, calls: int) -> list:
+    """Family i's findings from `worker`, which is then closed."""
+    try:
+        return worker.family(i, calls)[0]
+    finally:
+        worker.close()
 
 
 def prepare_all(contract, fams, seed, device, prepared):

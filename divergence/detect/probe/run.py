@@ -25,6 +25,7 @@ from ...errors import UserError
 from ..rule import RATIO
 from . import checks
 from . import shapes as shaped
+from .isolate import NOT_ALONE
 from .magnitudes import compact
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
@@ -46,17 +47,18 @@ def device_from_flag(device: Optional[str]) -> str:
 def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[int] = None,
               device: Optional[str] = None, budget_s: Optional[float] = None, only: Optional[list] = None,
               echo: Optional[Callable] = None, shapes: Optional[dict] = None, limits=None, recipe=None,
-              prepared=None) -> dict:
+              prepared=None, workloads: Optional[list] = None) -> dict:
     """Probe `candidate_spec` (anything `slots.resolve` takes) in slot `slot`; writes out_dir/probe.json.
 
-    Returns {verdict: PASS|FAIL, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
+    Returns {verdict: PASS|FAIL|INCONCLUSIVE, findings: [{check, family, shape, seed, error, allowed, detail, output}], ...}.
     `only` restricts the sweep to the named families; `echo` (e.g. print) gets the header line as soon as the
     candidate has loaded, so a run that dies midway can still be repeated. `shapes`: the declared shapes
     (probe/shapes.py): the families run there, and a failure only elsewhere is a generality note, not a finding.
     `limits` (isolate.Limits): the watchdog's, default isolate.DEFAULT. `recipe` (a name or a Recipe; None: the
     probe's default, captured.DEFAULT_RECIPE) is the one whose training run the captured families come from.
     `prepared` (call.Prepared): built inputs and oracle outputs to reuse, for several probes with one seed (a fresh
-    one if None).
+    one if None). `workloads`: the definition's workloads as slot shapes (definition.workload_shapes), each run as
+    a family of its own at the declared shapes.
     """
     from ...slots import SLOTS
 
@@ -65,7 +67,7 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     contract = SLOTS[slot]
     device = device_from_flag(device)
     seed = fresh_seed() if seed is None else int(seed)
-    fams, notes, others = _families(slot, device, shapes, recipe, only)
+    fams, notes, others = _families(slot, device, shapes, recipe, only, workloads)
     budget = shaped.budget(device, shapes, BUDGET_S[device]) if budget_s is None else budget_s
     t0 = time.perf_counter()
 
@@ -75,10 +77,15 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
                  f"device {device}, {len(fams)} input families")
 
     impl, findings, ran, notes = _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits,
-                                        loaded, shapes, recipe, prepared)
+                                        loaded, shapes, recipe, prepared, workloads)
     wall = time.perf_counter() - t0
+    notes = list(notes) + list(impl.get("settings") or [])  # process-wide settings the candidate made at import
     findings = _merge_exceptions(findings)
     verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
+    # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged (isolate.py)
+    unsure = [n for n in notes if NOT_ALONE in n]
+    if verdict == "PASS" and unsure:
+        verdict = "INCONCLUSIVE"
     notes = list(notes) + more
     findings.sort(key=lambda f: checks.CHECKS.index(f["check"]))
     result = {
@@ -89,18 +96,21 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
         "device": device,
         "verdict": verdict,
         "shapes": dict(shapes or {}),
+        "workloads": list(workloads or []),
         "findings": findings,
         "families": ran,
         "notes": notes,
         "rule": RULE,
         "wall_s": round(wall, 3),
     }
+    if verdict == "INCONCLUSIVE":
+        result["detail"] = unsure[0]  # what verdict.probe_signal names
     return _write(result, out_dir)
 
 
-def _families(slot, device, shapes, recipe, only) -> tuple:
+def _families(slot, device, shapes, recipe, only, workloads=None) -> tuple:
     """(families, notes, others) as shapes.families builds them, restricted to `only` where given (names checked)."""
-    fams, notes, others = shaped.families(slot, device, shapes, recipe)
+    fams, notes, others = shaped.families(slot, device, shapes, recipe, workloads)
     if only:
         unknown = sorted(set(only) - {f.name for f in fams})
         if unknown:
@@ -111,7 +121,7 @@ def _families(slot, device, shapes, recipe, only) -> tuple:
 
 
 def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits, loaded, shapes, recipe,
-           prepared) -> tuple:
+           prepared, workloads=None) -> tuple:
     """isolate.sweep with this process on one CPU thread meanwhile: (candidate meta, findings, families, notes)."""
     from . import isolate
 
@@ -124,7 +134,8 @@ def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, lim
         # The candidate runs in a worker process under a watchdog (isolate.py); this process never imports it.
         return isolate.sweep(slot, candidate_spec, fams, seed, device, budget, notes, Path(out_dir) / "worker.log",
                              limits, on_loaded=loaded,
-                             rebuild=("divergence.detect.probe.shapes", "families", (slot, device, shapes, recipe)),
+                             rebuild=("divergence.detect.probe.shapes", "families",
+                                      (slot, device, shapes, recipe, workloads)),
                              prepared=prepared)
     finally:
         torch.set_num_threads(threads)
@@ -144,10 +155,11 @@ def _merge_exceptions(findings: list) -> list:
     and the table says so once ("candidate only supports hidden=4096 ... (also in 9 more families)")."""
     out, seen = [], {}
     for f in findings:
-        if f["check"] not in ("exception", "crash", "timeout", "global_state", "late_write"):
+        if f["check"] not in ("exception", "crash", "timeout", "global_state", "late_write", "outputs", "overwritten"):
             out.append(f)
             continue
-        key = f["check"] + re.sub(r"\d+(\.\d+)?", "N", f["detail"])
+        # The long run prefixes the call ("call 1 of 3000: ..."): the same exception whichever call raised it.
+        key = f["check"] + re.sub(r"^call N of N[^:]*: ", "", re.sub(r"\d+(\.\d+)?", "N", f["detail"]))
         if key in seen:
             seen[key]["families"].append(f["family"])
             continue
@@ -206,6 +218,8 @@ def verdict_line(result: dict) -> str:
     where = f"{result['wall_s']:.1f} s, seed {result['seed']}; {result.get('path', 'probe.json')}"
     if result["verdict"] == shaped.NEEDS_SHAPES:
         return f"{shaped.NEEDS_SHAPES}: the candidate does not run at the contract's shapes ({where})"
+    if result["verdict"] == "INCONCLUSIVE":
+        return f"INCONCLUSIVE: {result['detail']} ({where})"
     if not n:
         return f"PASS: no findings in {fams} input families ({where})"
     kinds = sorted({f["check"] for f in result["findings"]}, key=checks.CHECKS.index)
@@ -233,15 +247,17 @@ def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int]
             device: Optional[str], only: Optional[list] = None, shape: Optional[str] = None,
             definition: Optional[str] = None, definitions: Optional[str] = None, recipe: Optional[str] = None) -> int:
     """`divergence probe`: prints the seed, the findings table, notes and a last line with the verdict; returns
-    0 (pass), 1 (findings) or 2 (NEEDS-SHAPES: no numerical verdict). Bad input raises UserError (exit 2)."""
+    0 (pass), 1 (findings) or 2 (NEEDS-SHAPES or INCONCLUSIVE: no numerical verdict). Bad input raises UserError (exit 2)."""
     echo = lambda s: print(s, flush=True)  # noqa: E731
-    kernel, shapes, _, _ = shaped.declared_for(kernel, candidate, shape, definition, definitions,
-                                               device=device_from_flag(device), echo=echo)
+    kernel, shapes, _, defn = shaped.declared_for(kernel, candidate, shape, definition, definitions,
+                                                  device=device_from_flag(device), echo=echo)
+    workloads = shaped.workloads_of(defn, kernel, shapes)
     spec = candidate or default_candidate(kernel, device_from_flag(device))
     if out is None:
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=echo, shapes=shapes, recipe=recipe)
+    res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=echo, shapes=shapes, recipe=recipe,
+                    workloads=workloads)
     print(format_table(res))
     for n in res["notes"]:
         print(f"note: {n}")
@@ -249,4 +265,4 @@ def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int]
         e = res["expected"]
         print(f"zoo catalogue: expected {e['verdict']}" + (f" (caught by: {e['caught_by']})" if e["caught_by"] else ""))
     print(verdict_line(res))
-    return {"PASS": 0, shaped.NEEDS_SHAPES: 2}.get(res["verdict"], 1)
+    return {"PASS": 0, shaped.NEEDS_SHAPES: 2, "INCONCLUSIVE": 2}.get(res["verdict"], 1)

@@ -15,16 +15,24 @@ definition found and mapped (candidates/definition.py), cross-checked (crosschec
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Optional
 
 from ...errors import UserError
 from ...shapes import MODEL_AXES, merge_declared, parse_shape_arg, shape_arg
 from . import inputs as fam_inputs
+from . import longrun
 
-# The largest workload, in tokens, where the problem does not bound it (batch x seq declared): SOL-ExecBench
-# L1/087's workloads reach 8 x 4096 tokens (NOTES). On the CPU a quarter of it: the float64 oracle of a
-# 4096 x 65536 output alone is 2 GiB, and the CPU's per-occurrence bf16 model is slow (tests shrink the axes).
-MAX_TOKENS = {"cuda": 8 * 4096, "cpu": 8 * 1024}
+# The largest family's tokens where the problem does not bound them (batch x seq declared): a production
+# micro-batch (inputs.PRODUCTION_TOKENS, 131,072 tokens), past any path a kernel keeps for big calls; SOL-ExecBench
+# L1/087's workloads reach 8 x 4096 (NOTES), a definition's workload file more (workload families). On the CPU as
+# many as CPU_ELEMENTS hidden-state values allow (all 131,072 up to hidden 128) and at least 8 x 1024: at hidden
+# 4096 the float64 oracle of a 4096 x 65536 output alone is 2 GiB, and the CPU's per-occurrence bf16 model is slow.
+MAX_TOKENS = {"cuda": fam_inputs.PRODUCTION_TOKENS, "cpu": 8 * 1024}
+CPU_ELEMENTS = 1 << 24
+# The long run at declared shapes writes a vocab x hidden gradient per call: 0.3 ms at 4096 x 128, 2.8 ms at
+# 4096 x 1024, 2.4 s at 65,536 x 4096 on the 2-core CPU (2026-11-27), so there it runs up to this many elements.
+LONG_CPU_ELEMENTS = 1 << 22
 MID_TOKENS = 4096  # the distribution families: a training step's worth of one sequence batch
 OTHER = "other:"  # prefix of the families run at undeclared shapes, for the generality note
 GENERALITY = ("uniform", "odd", "hidden-72", "hidden-400", "hidden-4096")  # the embedding's shape families
@@ -68,7 +76,7 @@ def _embed_declared(shapes: dict, device: str, text) -> list:
 
     d = {**SLOTS["fused_embed_rmsnorm"].shapes, **shapes}
     H, V = d["hidden"], d["vocab"]
-    top = shapes["batch"] * shapes["seq"] if "batch" in shapes and "seq" in shapes else MAX_TOKENS[device]
+    top = shapes["batch"] * shapes["seq"] if "batch" in shapes and "seq" in shapes else _unbounded_tokens(H, device)
     mid = max(4, min(MID_TOKENS, top))
     z = fam_inputs._zipf(1.1)
     e = _sparse_embed
@@ -86,12 +94,54 @@ def _embed_declared(shapes: dict, device: str, text) -> list:
         fams.insert(4, e("corpus", text.ids, 4, mid // 4, H, V))
     batch = min(shapes.get("batch", 8), top)
     fams.append(e("largest", z, batch, top // batch, H, V))
+    if device != "cpu" or H * V <= LONG_CPU_ELEMENTS:  # 32 tokens a call: its cost is the V x H output
+        fams.append(fam_inputs.long_run(e("zipf-1.1", z, 2, 16, H, V)))
     return fams
 
 
-def families(slot: str, device: str, shapes: Optional[dict], recipe=None) -> tuple:
+def _unbounded_tokens(hidden: int, device: str) -> int:
+    """The largest family's tokens where the problem does not bound them (MAX_TOKENS, CPU_ELEMENTS)."""
+    if device != "cpu":
+        return MAX_TOKENS[device]
+    return max(MAX_TOKENS["cpu"], min(fam_inputs.PRODUCTION_TOKENS, CPU_ELEMENTS // hidden))
+
+
+def workloads_of(defn, slot: str, shapes: dict) -> list:
+    """The definition's workloads as slot shapes (the declared shapes filling what a workload leaves out), or []."""
+    from ...candidates.definition import workload_shapes
+
+    if defn is None or not defn.workloads:
+        return []
+    return [{**shapes, **w} for w in workload_shapes(defn, slot)]
+
+
+# Tokens per workload family the probe runs at most on each device: the largest public L1/087 workload (64 x
+# 4096 = 262,144 tokens at hidden 4096) needs a 65,536 x 4096 float64 oracle plus 4 GiB of fp32 inputs, which the
+# GPU holds; the CPU's per-occurrence bf16 model would take many minutes there.
+WORKLOAD_TOKENS = {"cuda": 64 * 4096, "cpu": 8 * 1024}
+
+
+def _workload_families(workloads: list, device: str) -> tuple:
+    """(one Zipf family per workload, named by its shape; notes on those over the device's size)."""
+    fams, notes = [], []
+    z = fam_inputs._zipf(1.1)  # real text's exponent: the frequent rows a uniform workload never stresses
+    for w in sorted(workloads, key=lambda w: w["batch"] * w["seq"]):
+        if "batch" not in w or "seq" not in w:
+            notes.append(f"a workload without both token axes ({shape_arg(w)}) is not run")
+            continue
+        name = f"workload-{w['batch']}x{w['seq']}"
+        if w["batch"] * w["seq"] > WORKLOAD_TOKENS[device]:
+            notes.append(f"family {name} skipped: {w['batch'] * w['seq']:,} tokens is over the "
+                         f"{WORKLOAD_TOKENS[device]:,} the probe runs on {device}")
+            continue
+        fams.append(_sparse_embed(name, z, w["batch"], w["seq"], w["hidden"], w["vocab"]))
+    return fams, notes
+
+
+def families(slot: str, device: str, shapes: Optional[dict], recipe=None, workloads=None) -> tuple:
     """(families to run, notes, names of the families at undeclared shapes). `recipe`: the training run the
-    captured families come from (families.py)."""
+    captured families come from (families.py); `workloads`: a definition's workloads (workloads_of), each a
+    family of its own."""
     from .families import families as all_families
 
     text = fam_inputs.RealText()  # loaded once for this family list
@@ -102,18 +152,32 @@ def families(slot: str, device: str, shapes: Optional[dict], recipe=None) -> tup
     if slot == "fused_embed_rmsnorm":
         declared = _embed_declared(shapes, device, text)
         notes = [n for n in notes if not n.startswith("GPU-only")]  # the declared sweep has its own largest
+        if workloads:
+            wf, wnotes = _workload_families(workloads, device)
+            declared, notes = declared + wf, notes + wnotes
+        if not any(f.calls > 1 for f in declared):
+            notes.append(f"family long-run skipped on {device}: each of its {longrun.CALLS:,} calls writes a "
+                         f"{declared[0].shape['vocab']:,} x {declared[0].shape['hidden']:,} gradient (run the "
+                         "probe on a GPU)")
+        top = max(f.shape["batch"] * f.shape["seq"] for f in declared)
+        if top < fam_inputs.PRODUCTION_TOKENS and not {"batch", "seq"} <= set(shapes):
+            notes.append(f"largest family {top:,} tokens on {device}, short of a production micro-batch "
+                         f"({fam_inputs.PRODUCTION_TOKENS:,}; run the probe on a GPU)")
         if not any(f.name == "corpus" for f in declared) and text.vocab() is not None:
             notes.append(f"family corpus skipped: the text's vocabulary ({text.vocab()}) exceeds the "
                          f"declared vocab={declared[0].shape['vocab']}")
         others = [f for f in fams if f.name in GENERALITY and not _agrees(f, model)]
     else:
+        if workloads:
+            notes.append(f"the definition's {len(workloads)} workload(s) are not run: {slot} builds its input "
+                         "families at its own shapes")
         declared = [f for f in fams if _agrees(f, model)]
         others = [f for f in fams if not _agrees(f, model)]
         if not declared:
             notes.append(f"no input family of {slot} lies at the declared shapes {shape_arg(shapes)}: "
                          "judged at the families' own shapes")
             return fams, notes, set()
-    renamed = [type(f)(OTHER + f.name, f.shape, f.build, f.deep, f.gpu_only) for f in others]
+    renamed = [replace(f, name=OTHER + f.name) for f in others]
     # Other shapes last: a kernel that makes an illegal memory access there (one real L1/087 submission does)
     # stops the sweep after the declared families have run (until the probe isolates candidate calls, issue 16)
     return declared + renamed, notes, {f.name for f in renamed}

@@ -1,0 +1,251 @@
+"""How many arms share a GPU: as many as fit in its free memory, never more than `ab.workers` per GPU (a cap;
+`auto`: AUTO_PER_GPU). On the CPU nothing here applies: `ab.workers` arms at once in all (`auto`: one per
+`train.threads` cores, at most 4).
+
+What an arm needs is measured, not guessed: each CUDA arm writes the peak of the GPU memory PyTorch reserved for it
+to MEMORY_FILE in its folder as it grows (watch_arm), and an arm's kind (its optimizer; reference, null or
+candidate) counts as measured once an arm of that kind has written its first metrics row (its first steps, an
+evaluation and a snapshot behind it) or ended. Until then one arm of the kind runs at a time, sized by the largest
+need known (or by a record of an earlier run: ab/share.py hands the arms cache's records on as Job.memory_record);
+where nothing at all is known, an arm waits until none of this run's arms is on its GPU. Another arm starts on a
+GPU when its need, what the arms already there have yet to take (their need less what they hold now) and a margin
+fit in the GPU's free memory as the driver reports it now, every process's use counted.
+
+Seen with a fixed `ab.workers: 3` (one H100 80 GiB, `h200-shapes` at 4096 x 65,536): every cell ERROR, one null arm
+out of memory while the others held 32-35 GiB each. The same recipe's arms recorded an allocated peak
+(arm.json peak_memory_gib) of 13.9-19.7 GiB on an H200 (docs/production-shapes.md): what a process holds is PyTorch's reserved
+memory plus its context, so that, not the allocated peak, is an arm's need here.
+
+An arm that runs out of GPU memory all the same while it shared its GPU trains again, alone (Job.alone): once this
+run's other arms on that GPU have ended and the GPU's lock (divergence/gpu.py) is held exclusively, so no other
+divergence arm or probe uses it meanwhile. Only out of memory alone is an arm's CRASH (a finding where it is the
+candidate's arm, a harness ERROR where it is a reference's or a null's), in words that name what it tried to
+allocate and the GPU's memory. One that cannot have the GPU to itself within `ab.arm_timeout_s` ends with ERROR:
+the machine's doing, judged against nobody.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from .. import gpu as G
+
+MEMORY_FILE = "gpu_memory.json"  # {"peak_reserved_bytes": N}, in an arm's folder
+# Arms at once per GPU under `ab.workers: auto`: the `h200` recipe's measured best (6, not 4, took its default A/B
+# from 133 to 110-120 s on one H200, docs/performance.md); more at once were not measured faster, and each is a process
+# beside the probe on the host's cores.
+AUTO_PER_GPU = 6
+AUTO_CPU_MAX = 4  # CPU arms at once under `auto`: one per train.threads cores, at most this many
+# What an arm holds outside PyTorch's allocator: its CUDA context, cuBLAS handles and the loaded kernels' code. Not
+# measured (the driver shows a process's whole use only through NVML, which this package does not require): a
+# round figure above a CUDA context's few hundred MiB, and the margin below absorbs an error in it.
+CONTEXT_BYTES = 1 << 30
+MARGIN = 0.05  # of the GPU's memory, kept free beyond every arm's need: 4 GiB of an 80 GiB card
+SAMPLE_S = 1.0  # how often an arm looks at its own peak
+
+
+def per_gpu(recipe, device: str = "cuda") -> int:
+    """`ab.workers` as a number: arms at once per GPU on CUDA (a cap on what fits), in all on the CPU."""
+    w = recipe.ab.workers
+    if w != "auto":
+        return int(w)
+    if device == "cuda":
+        return AUTO_PER_GPU
+    import os
+
+    return max(1, min(AUTO_CPU_MAX, (os.cpu_count() or 1) // recipe.train.threads))
+
+
+def kind(job) -> tuple:
+    """(optimizer, reference | null | candidate): arms of one kind need the same memory."""
+    spec = job.spec
+    return spec.optimizer, "candidate" if spec.runs_candidate else spec.name.split("-")[0]
+
+
+def read_record(folder) -> Optional[int]:
+    """The peak an arm folder's MEMORY_FILE records, plus CONTEXT_BYTES: that arm's need; None where there is none."""
+    try:
+        peak = json.loads((Path(folder) / MEMORY_FILE).read_text())["peak_reserved_bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(peak) + CONTEXT_BYTES
+
+
+def watch_arm(out_dir) -> None:
+    """In an arm's process: a daemon thread that writes the arm's peak of PyTorch-reserved GPU memory to MEMORY_FILE
+    whenever it grows. It never starts CUDA itself (the arm does, if it trains on a GPU; a CPU arm writes nothing)
+    and makes no CUDA call (the allocator's counters only), so it cannot disturb a CUDA graph's capture."""
+    from ..train.metrics import write_json
+
+    path = Path(out_dir) / MEMORY_FILE
+
+    def loop():
+        import torch
+
+        seen = 0
+        while True:
+            time.sleep(SAMPLE_S)
+            if not torch.cuda.is_initialized():
+                continue
+            peak = torch.cuda.max_memory_reserved(0)  # the arm sees one GPU, as cuda:0
+            if peak > seen:
+                seen = peak
+                write_json(path, {"peak_reserved_bytes": int(peak)})
+
+    threading.Thread(target=loop, name="gpu-memory", daemon=True).start()
+
+
+def _measured(job) -> bool:
+    """Whether an arm's record is its kind's measure: it wrote a metrics row, or ended."""
+    d = Path(job.out_dir)
+    try:
+        if (d / "metrics.jsonl").stat().st_size > 0:
+            return True
+    except OSError:
+        pass
+    return (d / "arm.json").exists()
+
+
+GO, SKIP, WAIT, GIVE_UP = "go", "skip", "wait", "give up"
+
+
+class Placer:
+    """Which GPU an arm starts on, and when: the local scheduler's (ab/runner.py) on CUDA. `gpus`: the visible GPUs
+    as an arm's CUDA_VISIBLE_DEVICES names them (their index here is torch's); `query(index)` -> (free, total) bytes
+    and `lock(index)` -> a gpu.GpuLock are the driver's and the machine's unless a test gives others."""
+
+    def __init__(self, gpus: list, cap: int, query: Callable = G.mem_get_info, lock: Optional[Callable] = None,
+                 alone_wait_s: float = 3600.0, say: Callable = print):
+        self.gpus, self.cap, self.query, self.alone_wait_s, self.say = list(gpus), max(1, cap), query, alone_wait_s, say
+        lock = lock or (lambda i: G.GpuLock(G.gpu_id(i)))
+        self.locks = [lock(i) for i in range(len(self.gpus))]
+        self.live = [dict() for _ in self.gpus]  # per GPU: job key -> (job, process) of this run's arms there
+        self.measured = {}  # kind -> bytes one arm of it needs
+        self.claims = {}  # job key of an arm waiting to run alone -> (GPU index, since)
+        self.where = {}  # job key -> GPU index it was last started on
+
+    @classmethod
+    def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
+        return cls(gpus, cap, alone_wait_s=recipe.ab.arm_timeout_s)
+
+    # ---------------------------------------------------------------------------------------------- what is known
+
+    def _refresh(self) -> None:
+        for live in self.live:
+            for job, _ in live.values():
+                k = kind(job)
+                if k not in self.measured and _measured(job):
+                    self._learn(job)
+
+    def _learn(self, job) -> None:
+        need = read_record(job.out_dir)
+        if need is not None:
+            k = kind(job)
+            self.measured[k] = max(self.measured.get(k, 0), need)
+
+    def need(self, job) -> Optional[int]:
+        """Bytes `job` needs: its kind's measure, else the largest need known (its record of an earlier run among
+        them); None where nothing is known."""
+        if kind(job) in self.measured:
+            return self.measured[kind(job)]
+        known = list(self.measured.values()) + ([job.memory_record] if getattr(job, "memory_record", None) else [])
+        return max(known) if known else None
+
+    def _yet_to_take(self, job) -> int:
+        """What a running arm will still take beyond what it holds now (nothing held: not started on CUDA yet)."""
+        need = self.need(job) or 0
+        held = read_record(job.out_dir) or 0
+        return max(0, need - held)
+
+    # -------------------------------------------------------------------------------------------------- deciding
+
+    def tidy(self) -> None:
+        """Forget arms whose process has exited; a GPU none of this run's arms is on any more is let go (a shared
+        hold released, so whoever waits to be alone there may go), unless an arm of this run waits to have it."""
+        claimed = {i for i, _ in self.claims.values()}
+        for i, live in enumerate(self.live):
+            for key in [k for k, (_, proc) in live.items() if proc is not None and not proc.is_alive()]:
+                del live[key]
+            if not live and i not in claimed and self.locks[i].state is not None:
+                self.locks[i].release()
+
+    def decide(self, job) -> tuple:
+        """(GO, GPU index) to start `job` now; (SKIP, None): not now, later jobs may go (its kind's first arm is
+        being measured); (WAIT, None): not now, nor anything behind it; (GIVE_UP, why): an arm to run alone that
+        could not have its GPU to itself in time."""
+        self._refresh()
+        if job.alone:
+            return self._alone(job)
+        k = kind(job)
+        if k not in self.measured and any(kind(j) == k for live in self.live for j, _ in live.values()):
+            return SKIP, None
+        need = self.need(job)
+        claimed = {i for i, _ in self.claims.values()}
+        for i in sorted(range(len(self.gpus)), key=lambda i: len(self.live[i])):  # least busy first
+            live, lock = self.live[i], self.locks[i]
+            if i in claimed or len(live) >= self.cap:
+                continue
+            if lock.state is None and not lock.try_share():
+                continue  # another process has it alone, or waits to
+            if lock.state != "shared" or (live and lock.contended()):
+                continue
+            if not live:
+                # Nothing of this run there: it goes, whatever others hold (were it to run out of memory, it
+                # trains again alone: waiting for room others may never give up could wait for ever).
+                return GO, i
+            if need is None:
+                continue
+            free, total = self.query(i)
+            coming = sum(self._yet_to_take(j) for j, _ in live.values())
+            if need + coming + MARGIN * total <= free:
+                return GO, i
+        return WAIT, None
+
+    def _alone(self, job) -> tuple:
+        """The GPU for an arm that must run alone: claimed (no other arm of this run starts there), let go by this
+        run's arms there, then held exclusively."""
+        if job.key not in self.claims:
+            taken = {i for i, _ in self.claims.values()}
+            free = [i for i in range(len(self.gpus)) if i not in taken] or list(range(len(self.gpus)))
+            self.claims[job.key] = (min(free, key=lambda i: len(self.live[i])), time.monotonic())
+        i, since = self.claims[job.key]
+        lock = self.locks[i]
+        if not self.live[i]:
+            if lock.state == "shared":
+                lock.release()
+            if lock.try_alone():
+                return GO, i
+        if time.monotonic() - since > self.alone_wait_s:
+            del self.claims[job.key]
+            if lock.state in ("waiting", "alone") and not self.live[i]:
+                lock.release()
+            free, total = self.query(i)
+            return GIVE_UP, (f"CUDA out of memory beside other work on its GPU, which it could not then have to "
+                             f"itself within {self.alone_wait_s:.0f} s (ab.arm_timeout_s) to train alone "
+                             f"({G.gib(free)} of {G.gib(total)} free): not judged, the machine's doing")
+        return WAIT, None
+
+    def started(self, job, i: int, proc) -> None:
+        self.live[i][job.key] = (job, proc)
+        self.where[job.key] = i
+
+    # ------------------------------------------------------------------------------------------------ its end
+
+    def ended(self, job, st: dict) -> Optional[str]:
+        """An arm's result `st` has arrived: None to keep it, "again" to train it again alone (out of memory while
+        it shared its GPU), or the line that replaces its error (out of memory alone)."""
+        self._learn(job)
+        i = self.where.get(job.key)
+        self.claims.pop(job.key, None)
+        if not (st.get("status") == "CRASH" and G.is_oom(st.get("error"))):
+            return None
+        if not job.alone:
+            job.alone = True
+            self.say(f"  {job.key}: out of GPU memory beside other work on its GPU: it trains again with the GPU to "
+                     "itself", flush=True)
+            return "again"
+        total = self.query(i)[1] if i is not None else None
+        return G.alone_oom(st["error"], total)

@@ -1,0 +1,54 @@
+"""The long-run family: thousands of calls on small inputs, a sample of them checked against the float64 oracle.
+
+Every other family calls the candidate once (five times on a deep one), and a whole default sweep makes about a
+hundred calls. Training makes thousands, and some bugs need them: a workspace sized at the first call and
+overrun later, a counter that wraps, a cache that fills, a tuned configuration that switches after a warm-up. Here
+the candidate is called CALLS times on fresh copies of two draws of one family, alternating (so stale data left by
+the previous call differs from the right answer), and call 1, every CHECK_EVERY-th call and the LAST calls are
+judged by checks.accuracy, the rule every family uses. Checking a sample keeps the cost near the calls' own: on the
+2-core CPU 3,000 reference calls at the contract's shapes take 0.1-1.2 s per slot (swiglu the slowest) and the 63
+checks a few milliseconds each.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+# Calls per long run: past 2,048 (a power-of-two ring of workspaces wraps there) and the 500-call warm-ups seen in
+# auto-tuned kernels, within the CPU sweep's budget (BUDGET_S in run.py).
+CALLS = 3000
+CHECK_EVERY = 50
+LAST = 3  # the last calls are always checked: a bug that starts late is seen even between two sampled calls
+
+
+def checked(k: int, calls: int) -> bool:
+    """Whether call k (1-based) of `calls` is judged."""
+    return k == 1 or k % CHECK_EVERY == 0 or k > calls - LAST
+
+
+def long_run(contract, fam, seed, device, destination, prepared, call, failed) -> list:
+    """The family's findings: the first judged call that breaks the rule (or raises), named by its number, with
+    the last call that was judged right. `call(inputs)` runs the candidate (call.py's, synchronised on CUDA);
+    `failed(e, when)` words an exception."""
+    draws = [prepared.get(contract, fam, seed, device), prepared.get(contract, fam, seed, device, again=True)]
+    good = 0  # the last judged call that was right
+    with torch.no_grad():
+        for k in range(1, fam.calls + 1):
+            case, orc, ref = draws[k % 2]
+            given = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in case.inputs)
+            try:
+                out = call(given)
+            except Exception as e:
+                return [failed(e, f"call {k} of {fam.calls}{_since(good)}: ")]
+            if not checked(k, fam.calls):
+                continue
+            found, _ = checks.accuracy(contract, out, ref, orc, case.rows, destination)
+            if found:
+                return [dict(f, detail=f"call {k} of {fam.calls}{_since(good)}: {f['detail']}") for f in found]
+            good = k
+    return []
+
+
+def _since(good: int) -> str:
+    return f" (right at call {good}, checked every {CHECK_EVERY})" if good else ""

@@ -1,0 +1,52 @@
+"""Candidates in a process of their own that sees nothing of the harness: the kernel server.
+
+The loader (candidates/loader.py) loads every candidate in a kernel server by default, so the A/B's candidate arm
+and the probe's worker call it there; reference and null implementations never start one. What the server is, what
+each platform gives and what crosses the boundary: kernel_server.py and client.py. docs/isolation.md: what it
+protects against and what it does not.
+
+Opting out: `ab.sandbox: false` in a recipe, or DIVERGENCE_SANDBOX=off in the environment, loads candidates in the
+process that calls them, as before the server existed (the verdict's candidate then says "isolation":
+"in-process (opt-out)"). In-process, the harness's own guards of what a candidate does beyond its outputs (hooks on
+the model's parameters, the import guard on the live process) apply; in the server there is nothing of the harness
+to reach.
+"""
+from __future__ import annotations
+
+import os
+
+OPT_OUT = "DIVERGENCE_SANDBOX"  # "off" (or 0, false, no): candidates load in-process
+SANDBOXED = "sandboxed process"
+IN_PROCESS = "in-process (opt-out)"
+UNSUPPORTED = "in-process (no kernel server on this platform)"
+
+
+def supported() -> bool:
+    """A kernel server needs fork and Unix sockets: Linux (where it is confined) and other POSIX systems."""
+    return os.name == "posix" and hasattr(os, "fork")
+
+
+def wanted() -> bool:
+    """Whether candidates load in a kernel server here and now (the default), or in-process (the opt-out)."""
+    return os.environ.get(OPT_OUT, "on").strip().lower() not in ("off", "0", "false", "no") and supported()
+
+
+def isolation_of(impl) -> dict:
+    """{"isolation": ..., "sandbox": what the platform gave} of a loaded implementation, for the verdict and
+    probe.json; {} for a reference or a null, which never run candidate code."""
+    if getattr(impl, "role", None) != "candidate":
+        return {}
+    remote = getattr(impl.fn, "sandbox", None)
+    if remote is None:
+        return {"isolation": IN_PROCESS if supported() else UNSUPPORTED}
+    return {"isolation": SANDBOXED, "sandbox": dict(remote.server.platform)}
+
+
+def use_recipe(recipe) -> None:
+    """`ab.sandbox: false` in effect for this process and whatever it starts (the arms, the probe's and the load's
+    workers read the environment); a recipe that keeps the default leaves the environment's choice alone."""
+    if not getattr(recipe.ab, "sandbox", True):
+        os.environ[OPT_OUT] = "off"
+
+
+__all__ = ["OPT_OUT", "SANDBOXED", "IN_PROCESS", "wanted", "supported", "isolation_of", "use_recipe"]

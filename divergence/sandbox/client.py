@@ -1,0 +1,748 @@
+"""The trusted side of a kernel server (kernel_server.py: what the server is and what each platform gives).
+
+`KernelServer(where, cache_key)` starts one: a fresh scratch folder, the server script copied into it and run with
+`python -I -u` in an environment without the harness's variables, its working folder and $HOME the scratch folder.
+`load(...)` has it import the candidate (this process never does); `RemoteFunction` is the candidate's `run` as
+this process sees it: its signature as the server read it (the loader checks it against the slot's contract as it
+would the function itself), and a call that sends the inputs and rebuilds the outputs here.
+
+What crosses, and how:
+- CPU tensors by copy: the bytes of each storage's span, into a storage the server keeps per storage of ours, so a
+  storage handed again is the same storage there (a kernel caching by address sees there what it would here).
+  What the candidate wrote into an input comes back and is written into ours, as it would have been in-process.
+- GPU tensors through CUDA IPC: each input storage's span copied into a staging buffer of ours (from a memory pool of
+  its own where torch has one: a mapping exposes whole allocator segments, which then hold staging buffers only),
+  mapped by the server; what it wrote there is compared with ours and copied back. Outputs are mapped from the
+  server's memory and copied at once into storages of ours. Where CUDA IPC fails (checked once, with a tensor of
+  16 elements), GPU tensors go by copy through the host (`platform["cuda"]` says which).
+- Outputs are rebuilt here as exact torch.Tensors, on storages of ours. An output buffer the candidate keeps and
+  returns again comes back into the same storage of ours (kernel_server's tokens), so a kernel whose outputs its
+  next call overwrites is seen doing so. What else an output carried (a subclass, autograd state, hooks, methods on
+  the instance, a sparse layout) and a hook or class put on an input are refused in slots/outputs.py's words.
+- torch's global state (default dtype, deterministic flags, matmul precision, cuDNN and TF32 flags, grad mode,
+  threads, the CPU and CUDA generators) is sent with every call and set there; what the candidate changes comes
+  back and is set here, as if it had run here: the probe's and the lockstep check's global-state watch see it and
+  put it back (candidates/globalstate.py).
+- Nothing is unpickled here: messages are JSON and raw bytes, every name and size checked (kernel_server.unpack).
+
+A server that dies takes this process down the same way (its exit code, its signal), as the candidate's crash did
+when it ran here: the probe's worker and the A/B's arm report it as they always have (`on_death="raise"`: a
+ServerDied instead, for callers that want to go on). A server that hangs hangs the call, which the probe's and the
+arm's watchdogs end as before; the reaper then ends the server and whatever it started.
+"""
+from __future__ import annotations
+
+import builtins
+import importlib
+import inspect
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..candidates import globalstate
+from ..errors import CandidateError, OutputError
+from . import kernel_server as wire
+
+STAGING_BYTES = 1 << 30  # storages kept mapped/mirrored per server beyond the current call's (identity by address)
+_DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
+_REF = re.compile(rb"/torch_(\d+)_\d+_\d+")  # torch's shared-memory names: /torch_<pid>_<random>_<counter>
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+# The environment a server gets: the toolchain's and the GPU stack's variables, nothing of the harness (no
+# DIVERGENCE_*, WANDB_*, PYTEST_*, RAY_*, Lightning's, the user's own).
+_KEEP = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "CC", "CXX", "NVCC", "MAX_JOBS"}
+_KEEP_PREFIX = ("LC_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
+                "CUBLAS_", "CUDNN_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "HIP_", "ROCM_", "ROCR_", "HSA_")
+
+
+class ServerDied(CandidateError):
+    """The kernel server ended while it was asked something; `how` is "exit N", "signal N" or None (unknown)."""
+
+    def __init__(self, message: str, how: Optional[str]):
+        super().__init__(message)
+        self.how = how
+
+
+def describe(how: Optional[str]) -> str:
+    """ "signal 11" -> "signal 11 (SIGSEGV)", "exit 4" -> "exit code 4", as the harness words a dead child."""
+    from ..candidates.contain import describe_exit
+
+    if not how:
+        return "ended, how unknown"
+    kind, n = how.split()
+    return describe_exit(-int(n) if kind == "signal" else int(n))
+
+
+def environment(scratch: Path, cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k in _KEEP or k.startswith(_KEEP_PREFIX)}
+    (scratch / "tmp").mkdir(exist_ok=True)
+    env.update(HOME=str(scratch), PWD=str(scratch), TMPDIR=str(scratch / "tmp"), XDG_CACHE_HOME=str(cache / "xdg"),
+               TRITON_CACHE_DIR=str(cache / "triton"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+               TORCH_EXTENSIONS_DIR=str(cache / "torch_extensions"))
+    return env
+
+
+def cache_folder(key: str) -> Path:
+    """The candidate's own compile caches (Triton, inductor, C++ extensions), kept between its servers so a kernel
+    compiles once per machine, and written by nobody else: nothing of ours ever reads them."""
+    root = Path(tempfile.gettempdir()) / f"kernel-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    folder = root / re.sub(r"[^0-9A-Za-z_-]", "_", key)[:40]
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
+def _sys_path() -> list:
+    return [os.getcwd() if p == "" else os.path.abspath(p) for p in sys.path]
+
+
+class KernelServer:
+    """One candidate's server. `where`: the candidate in words, for messages; `cache_key`: its source's hash."""
+
+    def __init__(self, where: str, cache_key: str, on_death: str = "exit"):
+        assert on_death in ("exit", "raise")
+        self.where, self.on_death = where, on_death
+        self.lock = threading.RLock()
+        self.scratch = Path(tempfile.mkdtemp(prefix="kernel-"))
+        self.cache = cache_folder(cache_key)
+        script = self.scratch / "server.py"
+        shutil.copyfile(wire.__file__, script)
+        ours, theirs = socket.socketpair()
+        ctl, ctl_theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-u", str(script), str(theirs.fileno()), str(ctl_theirs.fileno()),
+                 str(self.scratch)], pass_fds=(theirs.fileno(), ctl_theirs.fileno()),
+                env=environment(self.scratch, self.cache), cwd=self.scratch, stdin=subprocess.DEVNULL,
+                start_new_session=True)  # out of our process group: a kill of ours must not skip its cleanup
+        except OSError as e:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise CandidateError(f"{where}: the kernel server could not start ({e}); DIVERGENCE_SANDBOX=off runs "
+                                 "candidates in this process instead") from None
+        finally:
+            theirs.close()
+            ctl_theirs.close()
+        self.conn, self.ctl, self._ctl_buf = Connection(ours.detach()), ctl, b""
+        self.closed = False
+        self.keys: "OrderedDict[str, int]" = OrderedDict()  # storage keys the server holds, with their bytes
+        self.staging: dict = {}  # key -> our GPU staging buffer (CUDA IPC)
+        self.mirrors: dict = {}  # token -> weakref to the storage of ours an output buffer of theirs comes back into
+        self.cuda = None  # "ipc" or "copy", decided at the first call with GPU tensors
+        self._pool = None
+        _LIVE.add(self)
+        self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.ctl, self.proc, str(self.scratch))
+        # torch's subsystems this process has loaded are loaded there too, before the candidate: its first call
+        # costs there what it would cost here (torch.use_deterministic_algorithms imports inductor: 1.5 s)
+        preload = [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]
+        wire.send(self.conn, {"op": "hello", "cache": str(self.cache), "sys_path": _sys_path(), "preload": preload,
+                              "state_source": Path(globalstate.__file__).read_text()})
+        hello = self._recv()
+        self.pid = hello.get("pid")
+        self.platform = dict(hello.get("platform") or {}, torch=hello.get("torch"))
+        info = self._ctl_line(10.0) or {}
+        self.platform["subreaper"] = bool(info.get("subreaper"))
+
+    # -- lifetime
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self._finalizer()
+
+    def _forked(self):
+        """In a child forked from the process that started this server: not ours to use or to end."""
+        self.closed = True
+        self._finalizer.detach()
+        for x in (self.conn, self.ctl):
+            try:
+                x.close()
+            except OSError:
+                pass
+
+    def _ctl_line(self, timeout: float) -> Optional[dict]:
+        """The reaper's next line on CTL (JSON), or None at its end or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._ctl_buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.ctl.settimeout(left)
+            try:
+                data = self.ctl.recv(4096)
+            except (socket.timeout, OSError):
+                return None
+            if not data:
+                return None
+            self._ctl_buf += data
+        line, self._ctl_buf = self._ctl_buf.split(b"\n", 1)
+        try:
+            got = json.loads(line)
+        except ValueError:
+            return None
+        return got if isinstance(got, dict) else None
+
+    def _lost(self):
+        """The server is gone: how it ended, from its reaper (which first ended whatever it started and passed its
+        last words on to our log); then this process ends the same way, or ServerDied."""
+        how = None
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            line = self._ctl_line(deadline - time.monotonic())
+            if line is None:
+                break
+            if isinstance(line.get("ended"), str) and re.fullmatch(r"(exit|signal) \d{1,3}", line["ended"]):
+                how = line["ended"]
+                break
+        self.close()
+        if self.on_death == "exit":
+            _die_like(how)
+        raise ServerDied(f"{self.where}: the candidate's process died: {describe(how)}", how)
+
+    def _recv(self) -> dict:
+        try:
+            h = wire.recv_header(self.conn)
+        except (EOFError, OSError):
+            self._lost()
+        except ValueError as e:
+            self.close()
+            raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
+        return h
+
+    # -- loading
+
+    def load(self, **request) -> dict:
+        """Have the server import the candidate: the reply (ok, found, signature, doc, file, triton, what it
+        patched), with the global state it changed at import already set here."""
+        with self.lock:
+            state, bufs = _pack_state()
+            wire.send(self.conn, {"op": "load", **request, **state}, bufs)
+            h = self._recv()
+            self._take_state(h)
+            return h
+
+    # -- calling
+
+    def call(self, args: tuple, kwargs: dict, watch: float = 0.0, echo: bool = False) -> tuple:
+        """(the candidate's return value rebuilt here, [(where, index)] of what changed `watch` seconds after it
+        returned, the server's notes on what it returned) for one call; the candidate's exception re-raised."""
+        with self.lock:
+            if self.closed:
+                raise CandidateError(f"{self.where}: the kernel server is closed")
+            tensors = []
+            a = wire.pack(torch, tuple(args), tensors)
+            k = wire.pack(torch, dict(kwargs), tensors)
+            if self.cuda is None and any(t.is_cuda for t in tensors):
+                self.cuda = "ipc" if self._ipc_works(next(t for t in tensors if t.is_cuda).device) else "copy"
+                self.platform["cuda"] = self.cuda
+            groups, storages, descs, bufs, drop = self._pack_inputs(tensors)
+            state, state_bufs = _pack_state()
+            header = {"op": "call", "args": a, "kwargs": k, "tensors": descs, "storages": storages, "drop": drop,
+                      "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", **state}
+            wire.send(self.conn, header, bufs + state_bufs)
+            h = self._recv()
+            try:
+                self._copy_back(h, groups)
+                outs = self._outputs(h, groups) if h.get("ok") else []
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+                self.close()
+                raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
+            self._take_state(h)
+            if not h.get("ok"):
+                raise _exception(h.get("error") or {}, self.where)
+            ret = wire.unpack(torch, h["ret"], outs, _Opaque.make)
+            late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
+            notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
+            return ret, late, notes
+
+    def _ipc_works(self, device) -> bool:
+        """Whether CUDA IPC carries a tensor there and back (a server under Landlock cannot take every kind of
+        handle, e.g. expandable segments'); tried once per server with 16 elements."""
+        probe = torch.arange(16, dtype=torch.float32, device=device)
+        self.cuda = "ipc"
+        try:
+            got, _, _ = self.call((probe,), {}, echo=True)
+            ok = isinstance(got, torch.Tensor) and torch.equal(got, probe)
+        except CandidateError as e:
+            if isinstance(e, ServerDied):
+                raise
+            ok = False
+            self.platform["cuda_ipc_error"] = str(e)[:300]
+        self.staging.clear()
+        self.keys.clear()
+        return ok
+
+    def _pool_alloc(self, n: int, device):
+        """A staging buffer from a memory pool of its own (where torch has one)."""
+        if self._pool is None:
+            try:
+                self._pool = torch.cuda.MemPool()
+                self.platform["staging"] = "own memory pool"
+            except Exception:  # noqa: BLE001 - older torch: the shared allocator, its segments may hold other data
+                self._pool = False
+                self.platform["staging"] = "shared allocator"
+        if self._pool:
+            with torch.cuda.use_mem_pool(self._pool, device=device):
+                return torch.empty(n, dtype=torch.uint8, device=device)
+        return torch.empty(n, dtype=torch.uint8, device=device)
+
+    def _pack_inputs(self, tensors) -> tuple:
+        groups, storages, descs, bufs = [], [], [None] * len(tensors), []
+        sync = False
+        for st, idx, start, end in wire.group(tensors):
+            n = end - start
+            key = json.dumps([st.data_ptr(), start, n, str(st.device)])
+            entry = {"key": json.loads(key), "n": n, "dev": str(st.device)}
+            view = wire.u8(torch, st, start, n)
+            if st.device.type == "cuda" and self.cuda == "ipc" and n:
+                buf = self.staging.get(key)
+                if buf is None:
+                    buf = self.staging[key] = self._pool_alloc(n, st.device)
+                    a = buf.untyped_storage()._share_cuda_()
+                    entry.update(via="ipc", ipc={"device": a[0], "handle": a[1].hex(), "size": a[2], "offset": a[3],
+                                                 "ref": a[4].hex(), "ref_offset": a[5],
+                                                 "event": a[6].hex() if a[6] else None, "event_sync": bool(a[7])})
+                else:
+                    entry["via"] = "mapped"
+                buf.copy_(view)
+                sync = True
+                groups.append({"storage": st, "start": start, "n": n, "staging": buf})
+            else:
+                entry["via"] = "buf"
+                if n:
+                    bufs.append(memoryview((view if st.device.type == "cpu" else view.cpu()).numpy()).cast("B"))
+                else:
+                    bufs.append(b"")
+                groups.append({"storage": st, "start": start, "n": n, "staging": None})
+            storages.append(entry)
+            self.keys[key] = n
+            self.keys.move_to_end(key)
+            for i in idx:
+                descs[i] = wire.describe_tensor(tensors[i], len(storages) - 1, start)
+        if sync:  # the staging copies done before the server reads them
+            torch.cuda.current_stream().synchronize()
+        # Forget the oldest storages beyond this call's and STAGING_BYTES (the server forgets them too)
+        now = {json.dumps(s["key"]) for s in storages}
+        drop, total = [], sum(self.keys.values())
+        for key in list(self.keys):
+            if total <= STAGING_BYTES + sum(self.keys[k] for k in now):
+                break
+            if key not in now:
+                total -= self.keys.pop(key)
+                self.staging.pop(key, None)
+                drop.append(json.loads(key))
+        return groups, storages, descs, bufs, drop
+
+    def _copy_back(self, h: dict, groups: list) -> None:
+        """What the candidate wrote into its inputs, written into ours."""
+        changed = h.get("changed") or []
+        if len(set(changed)) != len(changed):
+            raise ValueError("an input named twice")
+        for i in changed:
+            g = groups[wire._int(i)]
+            if g["staging"] is not None:
+                raise ValueError("a mapped input sent back")
+            target = wire.u8(torch, g["storage"], g["start"], g["n"])
+            if target.device.type == "cpu":
+                wire.recv_into(self.conn, target.numpy(), g["n"])
+            else:
+                host = torch.empty(g["n"], dtype=torch.uint8)
+                wire.recv_into(self.conn, host.numpy(), g["n"])
+                target.copy_(host)
+        for g in groups:
+            if g["staging"] is not None:
+                target = wire.u8(torch, g["storage"], g["start"], g["n"])
+                if not torch.equal(g["staging"], target):
+                    target.copy_(g["staging"])
+
+    def _outputs(self, h: dict, groups: list) -> list:
+        """The returned tensors, rebuilt here as exact torch.Tensors on storages of ours."""
+        stores, opened = [], []
+        names = wire.dtypes(torch)
+        for d in h.get("out_storages") or []:
+            if d.get("via") == "input":
+                g = groups[wire._int(d["input"])]
+                stores.append((g["storage"], g["start"]))
+                continue
+            n, dev = wire._int(d["n"]), str(d.get("dev"))
+            if not _DEVICE.fullmatch(dev):
+                raise ValueError(f"device {dev!r}")
+            mine = self._mirror(wire._int(d["token"]), n, torch.device(dev))
+            view = wire.u8(torch, mine, 0, n)
+            if d.get("via") == "buf":
+                if view.device.type == "cpu":
+                    wire.recv_into(self.conn, view.numpy(), n)
+                else:
+                    host = torch.empty(n, dtype=torch.uint8)
+                    wire.recv_into(self.conn, host.numpy(), n)
+                    view.copy_(host)
+            elif d.get("via") == "ipc" and self.cuda == "ipc":
+                theirs = self._open(d["ipc"], torch.device(dev))
+                start = wire._int(d["start"])
+                if start + n > theirs.nbytes():
+                    raise ValueError("a span beyond its storage")
+                view.copy_(wire.u8(torch, theirs, start, n))
+                opened.append(theirs)
+            else:
+                raise ValueError(f"storage sent {d.get('via')!r}")
+            stores.append((mine, 0))
+        if opened:  # our copies done before their blocks are let go of (the server may reuse them at once)
+            torch.cuda.current_stream().synchronize()
+            del opened
+        out = []
+        for d in h.get("out_tensors") or []:
+            st, start = stores[wire._int(d["s"])]
+            dt = names.get(d.get("dtype"))
+            if dt is None:
+                raise ValueError(f"dtype {d.get('dtype')!r}")
+            out.append(wire.build_tensor(torch, dict(d, offset=wire._int(d["offset"]) + start // dt.itemsize), st,
+                                         names))
+        return out
+
+    def _mirror(self, token: int, n: int, device):
+        """The storage of ours that output buffer `token` of theirs comes back into: the same one while we still
+        hold it, so an output its next call rewrites changes here as it would have in-process."""
+        held = self.mirrors.get(token)
+        st = held() if held is not None else None
+        if st is None or st.nbytes() != n or st.device != device:
+            st = torch.UntypedStorage(n, device=device)
+            self.mirrors[token] = weakref.ref(st, lambda r, t=token, d=self.mirrors: d.get(t) is r and d.pop(t))
+        return st
+
+    def _open(self, a: dict, device):
+        """A storage of the server's, mapped here through CUDA IPC, its reference-count file checked to be one the
+        server made (torch's /torch_<pid>_... name)."""
+        ref = bytes.fromhex(a["ref"])
+        m = _REF.fullmatch(ref)
+        if m is None or int(m.group(1)) != self.pid:
+            raise ValueError("a shared-memory name that is not the server's")
+        if wire._int(a["device"]) != device.index:
+            raise ValueError("a storage on another device")
+        return torch.UntypedStorage._new_shared_cuda(
+            a["device"], bytes.fromhex(a["handle"]), wire._int(a["size"]), wire._int(a["offset"]), ref,
+            wire._int(a["ref_offset"]), bytes.fromhex(a["event"]) if a.get("event") else None,
+            bool(a["event_sync"]))
+
+    def _take_state(self, h: dict) -> None:
+        """The global state the candidate changed there, set here (threads bounded: a number is all it is)."""
+        tensors = []
+        for d in h.get("state_tensors") or []:
+            dt = wire.dtypes(torch).get(d.get("dtype"))
+            if dt is None:
+                raise ValueError(f"dtype {d.get('dtype')!r}")
+            t = torch.empty([wire._int(x) for x in d["shape"]], dtype=dt)
+            wire.recv_into(self.conn, wire.u8(torch, t.untyped_storage(), 0, t.untyped_storage().nbytes()).numpy(),
+                           wire._int(d["n"]))
+            tensors.append(t)
+        values = wire.unpack(torch, h.get("state") or {"D": []}, tensors)
+        keys = [k for k in values if k in globalstate._SETTERS]
+        if "threads" in values and not (type(values["threads"]) is int and 1 <= values["threads"] <= 4096):
+            keys.remove("threads")
+        if keys:
+            try:
+                wire.set_state(globalstate, values, keys)
+            except Exception as e:  # noqa: BLE001 - a value torch refuses: said, not set
+                raise CandidateError(f"{self.where}: the kernel server sent a global setting torch refuses ({e})") \
+                    from None
+
+
+def _pack_state() -> tuple:
+    """This process's global state for a request: ({"state", "state_tensors", "cuda_device"}, buffers)."""
+    tensors = []
+    tree = wire.pack(torch, globalstate.snapshot(), tensors)
+    descs, bufs = [], []
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        descs.append({"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape), "n": t.numel() * t.element_size()})
+        bufs.append(memoryview(t.numpy()).cast("B") if t.numel() else b"")
+    dev = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"state": tree, "state_tensors": descs, "cuda_device": dev}, bufs
+
+
+def _shutdown(conn, ctl, proc, scratch: str) -> None:
+    """Close our ends: the server sees its connection end and exits, the reaper sees CTL end, kills whatever is
+    left of the server's and removes the scratch folder."""
+    for x in (conn, ctl):
+        try:
+            x.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    except Exception:  # noqa: BLE001 - at interpreter exit
+        pass
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _forget_all_in_child():
+    for s in list(_LIVE):
+        s._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all_in_child)
+
+
+def _die_like(how: Optional[str]) -> None:
+    """End this process as the server ended: its exit code, or its signal (no core, no second stack dump)."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    kind, n = (how or "exit 1").split()
+    n = int(n)
+    if kind == "signal":
+        import faulthandler
+        import resource
+
+        faulthandler.disable()
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            signal.signal(n, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [n])
+            os.kill(os.getpid(), n)
+            time.sleep(5)
+        except (OSError, ValueError):
+            pass
+        os._exit(128 + n)
+    os._exit(n)
+
+
+# ------------------------------------------------------------------------------------------ what comes back
+
+
+class _Opaque:
+    """Stands in for a returned object that is not data (the loader's contract check names its type)."""
+
+    @staticmethod
+    def make(name: str, items, kind: str):
+        if kind in ("tuple", "list"):
+            return tuple(items) if kind == "tuple" else list(items)
+        return type(name.rsplit(".", 1)[-1], (_Opaque,), {})()
+
+
+_TORCH_ERRORS = {"OutOfMemoryError": getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError,
+                 "AcceleratorError": getattr(torch, "AcceleratorError", RuntimeError)}
+
+
+def _exception(info: dict, where: str) -> BaseException:
+    """The candidate's exception, rebuilt: its type's name and text (what the harness says of it in one line),
+    under the builtin or torch class of that name where there is one; its traceback from the server as a note."""
+    name = wire.safe_name(info.get("type"))
+    msg = str(info.get("msg", ""))
+    if info.get("stage") == "request":
+        return CandidateError(f"{where}: the kernel server could not read a request ({name}: {msg.splitlines()[0] if msg else ''})")
+    base = getattr(builtins, name, None)
+    if not (isinstance(base, type) and issubclass(base, BaseException)):
+        base = _TORCH_ERRORS.get(name) or Exception
+    if base is SystemExit:  # sys.exit(n) in the candidate ends this process as it would have in-process
+        return SystemExit(int(msg) if re.fullmatch(r"-?\d+", msg) else msg or None)
+    try:
+        cls = type(name, (base,), {"__str__": lambda self: self.args[0] if self.args else "",
+                                   "__module__": "kernel_server"})
+        e = cls(msg)
+    except TypeError:  # a builtin whose constructor wants more (UnicodeDecodeError ...)
+        e = type(name, (Exception,), {"__module__": "kernel_server"})(msg)
+    tb = info.get("tb")
+    if isinstance(tb, str) and tb and hasattr(e, "add_note"):
+        e.add_note("raised in the kernel server:\n" + tb)
+    return e
+
+
+# ---------------------------------------------------------------------------------------------- the function
+
+
+class _NoSignature:
+    """A compiled function's: inspect.signature then raises, and the loader reads the names from `__doc__`."""
+
+
+def signature_of(desc) -> object:
+    if desc is None:
+        return _NoSignature()
+    params = []
+    for name, kind, has_default in desc:
+        params.append(inspect.Parameter(str(name), getattr(inspect.Parameter, str(kind)),
+                                        default=_Default if has_default else inspect.Parameter.empty))
+    return inspect.Signature(params)
+
+
+class _Default:
+    """The default of a parameter that has one (its value stays in the server)."""
+
+
+class RemoteFunction:
+    """The candidate's function as this process calls it: `server.call`, with the outputs refused in
+    slots/outputs.py's words where the candidate handed back more than data. `watch_next`: seconds after the next
+    call to look for late writes there (the probe's first call of a family); `late`: what it found, as
+    [(kind, name)] with kind "input" or "output"."""
+
+    def __init__(self, server: KernelServer, contract, name: str, reply: dict):
+        self.server, self.contract, self.name = server, contract, name
+        try:
+            self.__signature__ = signature_of(reply.get("signature"))
+        except (ValueError, TypeError):
+            self.__signature__ = _NoSignature()
+        doc = reply.get("fn_doc")
+        self.__doc__ = doc if isinstance(doc, str) else None
+        self.__name__ = self.__qualname__ = f"{contract.name}:{name}"
+        self.watch_next, self.late = 0.0, []
+
+    def __call__(self, *args, **kwargs):
+        watch, self.watch_next = self.watch_next, 0.0
+        ret, late, notes = self.server.call(args, kwargs, watch=watch)
+        self.late = [self._name(w, i, args, kwargs, notes) for w, i in late]
+        self._refuse(ret, notes, args)
+        return ret
+
+    def _positions(self, args, kwargs) -> list:
+        """The top-level argument position of each tensor in the order they were packed."""
+        out = []
+        for p, a in enumerate(list(args) + list(kwargs.values())):
+            found = []
+            wire.pack(torch, a, found)
+            out += [p] * len(found)
+        return out
+
+    def _name(self, where: str, i: int, args, kwargs, notes) -> tuple:
+        ins, outs = self.contract.inputs, self.contract.outputs
+        if where == "ret":
+            return "output", outs[i] if i < len(outs) else f"#{i}"
+        pos = self._positions(args, kwargs)
+        p = pos[i] if i < len(pos) else -1
+        if 0 <= p < len(ins):
+            return "input", ins[p]
+        if len(ins) <= p < len(ins) + len(outs):
+            return "output", outs[p - len(ins)]
+        return "input", f"#{i}"
+
+    def _refuse(self, ret, notes, args) -> None:
+        """OutputError where what came back was more than data there (the candidate returned a subclass, a tensor
+        with a graph or hooks, ...) or the candidate changed an input's hooks or class: the same words as
+        slots/outputs.py says them of a candidate running in-process, from stand-ins built here."""
+        from ..slots.outputs import check_input_hooks, hooks_of, output_problem
+
+        who = f"candidate {self.name}"
+        descs = notes["outputs"]
+        top = notes["ret"]
+        if any(set(d) & {"cls", "autograd", "hooks", "shadow", "layout"} for d in descs) or \
+                (isinstance(top, dict) and "cls" in top):
+            flat = list(wire_tensors(ret))
+            stand = [_stand_in(t, d) for t, d in zip(flat, descs)]
+            it = iter(stand)
+            shown = _replace_tensors(ret, it)
+            if isinstance(top, dict) and "cls" in top:
+                base = tuple if "T" in top else list
+                shown = type(wire.safe_name(top["cls"]).rsplit(".", 1)[-1], (base,), {})(shown)
+            said = output_problem(self.contract, shown, ())
+            if said:
+                for d in descs:  # the stand-in's graph is a multiplication; the words name the candidate's
+                    if d.get("autograd") and d["autograd"][1]:
+                        said = said.replace("MulBackward0", str(d["autograd"][1]), 1)
+                raise OutputError(f"{self.contract.name}: {who}: {said}")
+        if notes["hooks"]:  # stand-ins in the arguments' places, changed as the candidate changed its inputs there
+            stand = [torch.zeros(1, requires_grad=True) if isinstance(a, torch.Tensor) else a for a in args]
+            before = hooks_of(stand)
+            pos = self._positions(args, {})
+            for i, what in notes["hooks"]:
+                p = pos[i] if type(i) is int and 0 <= i < len(pos) else None
+                if p is None or not isinstance(stand[p], torch.Tensor):
+                    continue
+                if what == "class":
+                    stand[p] = stand[p].as_subclass(type("Changed", (torch.Tensor,), {}))
+                else:
+                    stand[p].register_hook(lambda g: g)
+            check_input_hooks(self.contract, before, stand, who)
+
+
+def wire_tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for v in tree:
+            yield from wire_tensors(v)
+
+
+def _replace_tensors(tree, it):
+    if isinstance(tree, torch.Tensor):
+        return next(it)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_replace_tensors(v, it) for v in tree)
+    return tree
+
+
+def _stand_in(t, note: dict):
+    """A tensor of ours with what the candidate's output carried there (a subclass of that name, a graph, hooks,
+    methods set on it), for outputs.py to put into words; never handed to anyone else."""
+    s = t.detach().clone()
+    if note.get("layout"):
+        try:
+            s = s.to_sparse(layout=getattr(torch, note["layout"]))
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    if note.get("autograd") or note.get("hooks"):
+        with torch.enable_grad():  # (the caller may be under no_grad, as a slot's forward is)
+            s = s.float().requires_grad_()
+            if note.get("autograd", [False, None])[1]:
+                s = s * 1
+            for h in note.get("hooks") or []:
+                if h == "_backward_hooks":
+                    s.register_hook(lambda g: g)
+    if note.get("cls"):
+        s = s.as_subclass(type(wire.safe_name(note["cls"]).rsplit(".", 1)[-1], (torch.Tensor,), {}))
+    for k in note.get("shadow") or []:
+        if isinstance(k, str) and hasattr(torch.Tensor, k):
+            try:
+                setattr(s, k, None)
+            except (AttributeError, TypeError):
+                pass
+    return s
+
+
+def harness_changes(theirs: dict) -> tuple:
+    """(replaced, removed) callables of harness modules, comparing where the server's copies were defined with where
+    ours were: a candidate that patched one there is refused as it is in-process. Only names whose object here is
+    the harness's own are compared (a test may have put something else in one here)."""
+    pkg = str(Path(__file__).resolve().parent.parent) + os.sep
+    changed, removed = [], []
+    modules = {}
+    for qual in theirs:
+        mod = qual.rsplit(".", 1)[0]
+        if mod not in modules:
+            try:  # a harness module the candidate imported there and this process has not yet: ours, to compare
+                modules[mod] = importlib.import_module(mod) if mod.split(".")[0] == "divergence" else None
+            except Exception:  # noqa: BLE001
+                modules[mod] = None
+    for qual, where in theirs.items():
+        mod, attr = qual.rsplit(".", 1)
+        ours = modules.get(mod)
+        if ours is None or attr not in vars(ours):
+            continue
+        mine = wire.origin(vars(ours)[attr])
+        if not os.path.abspath(mine[2] or "").startswith(pkg):
+            continue
+        if list(where) != mine:
+            changed.append(qual)
+    for mod, ours in modules.items():
+        if ours is None:
+            continue
+        for attr, v in list(vars(ours).items()):
+            if f"{mod}.{attr}" not in theirs and (callable(v) or isinstance(v, (staticmethod, classmethod, property))):
+                if os.path.abspath(wire.origin(v)[2] or "").startswith(pkg):
+                    removed.append(f"{mod}.{attr}")
+    return sorted(changed), sorted(removed)

@@ -1,0 +1,258 @@
+"""GPU memory the harness owns is never the candidate's fault (divergence/gpu.py, ab/memory.py, probe/isolate.py).
+
+On the CPU, with GPUs simulated: stand-in arms that "hold" memory by writing what they hold to a file, a free-memory
+query that reads those files, and arms and probe candidates that raise CUDA's out-of-memory error when another arm
+shares their GPU, always, or on their first call only. The GPU locks are real (flock), in a folder of the test's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from divergence import gpu as G
+from divergence.ab import memory, runner
+from divergence.ab.health import harness_failure
+from divergence.detect.probe import isolate, run_probe
+from divergence.recipe import load_recipe
+from divergence.train.arm import ArmSpec
+
+GiB = 2**30
+TOTAL = 80 * GiB
+# torch's own words (c10's CUDACachingAllocator), the way an arm's arm.json keeps them: one line
+OOM = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+       "of which 1.06 GiB is free. Process 4242 has 33.10 GiB memory in use.")
+
+
+# ------------------------------------------------------------------------------------------- stand-in arms
+
+
+def _world(folder: Path) -> dict:
+    return json.loads((folder / "world.json").read_text())
+
+
+def _others_on_gpu(here: Path, me: str) -> list:
+    return [p.name for p in here.iterdir() if p.name != me]
+
+
+def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
+    """An arm that holds `peak` bytes of a simulated GPU for `run_s` seconds: it records its peak (as watch_arm
+    does) and a first metrics row, then ends OK; or, as world.json says, with CUDA's out-of-memory error when
+    another arm shared the GPU at any time of its run ("shared"), or always ("always")."""
+    from divergence.train.metrics import write_json
+
+    os.setsid()
+    out = Path(out_dir)
+    w = _world(out.parent)
+    here = out.parent / "on-gpu"
+    here.mkdir(exist_ok=True)
+    me = out.name
+    (here / me).write_text(str(w["peak"]))
+    t0 = time.time()
+    shared = bool(_others_on_gpu(here, me))
+    write_json(out / memory.MEMORY_FILE, {"peak_reserved_bytes": w["peak"]})
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    while time.time() - t0 < w["run_s"]:
+        shared = shared or bool(_others_on_gpu(here, me))
+        time.sleep(0.02)
+    shared = shared or bool(_others_on_gpu(here, me))
+    oom = w["oom"].get(me)
+    with open(out.parent / "events.jsonl", "a") as f:
+        f.write(json.dumps({"arm": me, "start": t0, "end": time.time(), "shared": shared}) + "\n")
+    (here / me).unlink()
+    if oom == "always" or (oom == "shared" and shared):
+        write_json(out / "arm.json", {"arm": spec.name, "status": "CRASH", "error": OOM})
+    else:
+        write_json(out / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": w["run_s"]})
+    os._exit(0)
+
+
+def held(folder: Path) -> int:
+    here = folder / "on-gpu"
+    return sum(int(p.read_text() or 0) for p in here.iterdir()) if here.exists() else 0
+
+
+def gpus(tmp_path: Path, cap: int, alone_wait_s: float = 60.0, said=None) -> memory.Placer:
+    """One simulated GPU of 80 GiB whose free memory is what the stand-in arms on it do not hold."""
+    return memory.Placer(["0"], cap, query=lambda i: (TOTAL - held(tmp_path), TOTAL),
+                         lock=lambda i: G.GpuLock(f"sim-{i}", tmp_path / "locks"), alone_wait_s=alone_wait_s,
+                         say=lambda line, **k: said.append(line) if said is not None else None)
+
+
+def arms(tmp_path: Path, names, opt: str = "sgd") -> list:
+    return [runner.Job(f"{opt}/{n}", tmp_path / n, ArmSpec(n, opt)) for n in names]
+
+
+def at_once(tmp_path: Path) -> int:
+    """The most stand-in arms that were on the GPU at one time."""
+    ev = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    return max(sum(e["start"] <= x["start"] < e["end"] for e in ev) for x in ev)
+
+
+def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None):
+    monkeypatch.setattr(runner, "_child", fake_arm)
+    (tmp_path / "world.json").write_text(json.dumps({"peak": peak, "run_s": run_s, "oom": oom or {}}))
+    return load_recipe("tiny")
+
+
+@pytest.mark.parametrize("peak,cap,want", [(30 * GiB, 6, 2), (5 * GiB, 3, 3)])
+def test_arms_per_gpu_follow_the_measured_peak_under_the_cap(tmp_path, monkeypatch, peak, cap, want):
+    """The first arm runs alone until it has measured its kind; then as many start as fit the GPU's free memory
+    with the margin: arms of 30 GiB (31 with the context), 2 on an 80 GiB card with 6 allowed (the H100 that
+    ran 3 of `h200-shapes` at once and out of memory); arms of 5 GiB, the cap of 3."""
+    recipe = setup(tmp_path, monkeypatch, peak)
+    res = runner.run_jobs(recipe, arms(tmp_path, ["null-1", "null-2", "null-3", "null-4"]), None, "cpu", cap,
+                          placer=gpus(tmp_path, cap))
+    assert {st["status"] for st in res.values()} == {"OK"}
+    assert at_once(tmp_path) == want
+
+
+def test_an_arm_out_of_memory_beside_others_trains_again_alone(tmp_path, monkeypatch):
+    """Arms that share the GPU run out of memory (as an arm does beside arms that hold more than measured); each
+    trains again with the GPU to itself and ends OK: the machine's doing is nobody's finding."""
+    recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=0.6, oom={"null-2": "shared", "candidate": "shared"})
+    said = []
+    jobs = arms(tmp_path, ["null-1", "null-2", "candidate"])
+    res = runner.run_jobs(recipe, jobs, None, "cpu", 3, placer=gpus(tmp_path, 3, said=said))
+    assert {k: st["status"] for k, st in res.items()} == {j.key: "OK" for j in jobs}
+    ev = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    runs = {}
+    for e in ev:
+        runs.setdefault(e["arm"], []).append(e)
+    assert len(runs["null-2"]) == len(runs["candidate"]) == 2 and len(runs["null-1"]) == 1
+    assert runs["null-2"][0]["shared"] and not runs["null-2"][1]["shared"]
+    assert not runs["candidate"][1]["shared"]
+    assert sum("trains again with the GPU to itself" in s for s in said) == 2
+
+
+def test_an_arm_out_of_memory_alone_is_an_error_naming_the_bytes(tmp_path, monkeypatch):
+    """Out of memory again with the GPU to itself: then it is the arm's, and its line says what it tried to allocate
+    and how much the GPU has; the harness's verdict line says so instead of "resume with fewer"."""
+    recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=0.3, oom={"null-1": "always"})
+    res = runner.run_jobs(recipe, arms(tmp_path, ["null-1", "null-2"]), None, "cpu", 2, placer=gpus(tmp_path, 2))
+    st = res["sgd/null-1"]
+    assert st["status"] == "CRASH"
+    assert st["error"] == ("CUDA out of memory with the GPU to itself (no other divergence arm or probe on it): "
+                           "tried to allocate 2.00 GiB on a GPU of 79.19 GiB")
+    assert json.loads((tmp_path / "null-1" / "arm.json").read_text())["error"] == st["error"]
+    line = harness_failure(["sgd/null-1"], res, 2, tmp_path)
+    assert line.endswith("(out of memory with the GPU to itself: a smaller model or train.batch_size, or a larger GPU)")
+    assert runner.kept_on_resume(arms(tmp_path, ["null-1"])[0], st) is False  # a resume (a larger GPU) tries again
+
+
+def test_an_arm_that_cannot_have_the_gpu_alone_is_not_judged(tmp_path, monkeypatch):
+    """Another divergence process holds the GPU (its lock shared) all along: the arm that ran out of memory beside
+    it waits for the GPU to itself up to its limit, then ends with ERROR naming the free memory, not a CRASH."""
+    recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=0.3, oom={"candidate": "always"})
+    other = G.GpuLock("sim-0", tmp_path / "locks")
+    assert other.try_share()
+    job = arms(tmp_path, ["candidate"])[0]
+    t0 = time.time()
+    res = runner.run_jobs(recipe, [job], None, "cpu", 1, placer=gpus(tmp_path, 1, alone_wait_s=1.0))
+    other.release()
+    st = res["sgd/candidate"]
+    assert st["status"] == "ERROR" and time.time() - t0 < 30
+    assert "could not then have to itself within 1 s" in st["error"] and "(80.00 GiB of 80.00 GiB free)" in st["error"]
+    assert not runner.kept_on_resume(job, st)
+
+
+def test_workers_is_auto_or_a_positive_cap():
+    from divergence.errors import RecipeError
+    from divergence.overrides import sets_to_overrides
+
+    r = load_recipe("h200-shapes")  # its arms fit an 80 GiB card two at a time: no flag needed there
+    assert r.ab.workers == "auto" and memory.per_gpu(r, "cuda") == memory.AUTO_PER_GPU
+    assert memory.per_gpu(load_recipe("h200"), "cuda") == 6
+    assert sets_to_overrides(["ab.workers=auto"]) == {"ab": {"workers": "auto"}}
+    for bad in (0, "many", 2.5, True):
+        with pytest.raises(RecipeError, match="ab.workers: expected auto or a positive integer"):
+            load_recipe("tiny", {"ab": {"workers": bad}})
+
+
+def test_out_of_memory_words_are_parsed():
+    assert G.tried_to_allocate(OOM) == 2 * GiB and G.total_capacity(OOM) == int(79.19 * GiB)
+    assert G.tried_to_allocate("Tried to allocate 1024.00 MiB.") == GiB
+    said = G.alone_oom("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate", 80 * GiB)
+    assert said.endswith("the size it tried to allocate was not said on a GPU of 80.00 GiB")
+    assert G.is_oom(said) and not G.is_oom("RuntimeError: illegal memory access")
+
+
+def test_the_gpu_lock_lets_sharers_in_until_one_waits_to_be_alone(tmp_path):
+    """Sharers share; one waiting to be alone holds the gate, so no new sharer comes in while it waits, and is
+    alone once the sharers have gone."""
+    root = tmp_path / "locks"
+    a, b, c = (G.GpuLock("g", root) for _ in range(3))
+    assert a.try_share() and b.try_share()
+    assert not c.try_alone() and c.state == "waiting"
+    a.release()
+    assert a.contended() and not a.try_share()  # the waiter keeps new sharers out
+    b.release()
+    assert c.try_alone() and not a.try_share()
+    c.release()
+    assert a.try_share()
+    a.release()
+
+
+# ---------------------------------------------------------------------------------------------------- probe
+
+FAST = isolate.Limits(family_s=10.0, load_s=60.0, alone_s=0.5)
+
+
+def oom_candidate(tmp_path, when: str) -> str:
+    """A correct swiglu candidate that raises CUDA's out-of-memory error on its first call (a marker file says the
+    call was made, across the probe's worker processes), or on every call."""
+    p, marker = tmp_path / f"oom_{when}.py", str(tmp_path / "called-once")
+    raise_it = f"raise torch.OutOfMemoryError({OOM.split(': ', 1)[1]!r})\n"
+    if when == "first":
+        raise_it = f"    if not os.path.exists({marker!r}):\n        open({marker!r}, 'w').close()\n        " + raise_it
+    else:
+        raise_it = "    " + raise_it
+    p.write_text("import os\nimport torch\nfrom divergence.slots.swiglu import reference\n"
+                 "def run(gate, up):\n" + raise_it + "    return reference(gate, up)\n")
+    return str(p)
+
+
+@pytest.fixture
+def probe_gpu(tmp_path, monkeypatch):
+    """The probe's GPU, simulated on the CPU: a real lock in the test's folder, 80 GiB of which 12.5 are free."""
+    monkeypatch.setattr(isolate, "gpu_for", lambda device: isolate.ProbeGpu(
+        G.GpuLock("sim-probe", tmp_path / "locks"), lambda: (int(12.5 * GiB), TOTAL)))
+    return G.GpuLock("sim-probe", tmp_path / "locks")  # another process's hold on the same GPU, for the test
+
+
+def probe(tmp_path, cand):
+    # A family off the contract's shapes: an exception there is a finding (at the contract's, NEEDS-SHAPES)
+    return run_probe("swiglu", cand, tmp_path / "p", seed=1, limits=FAST, only=["odd"])
+
+
+def test_probe_out_of_memory_beside_others_passes_with_the_gpu_alone(tmp_path, probe_gpu):
+    res = probe(tmp_path, oom_candidate(tmp_path, "first"))
+    assert res["verdict"] == "PASS" and not res["findings"], res["findings"]
+    assert any("ran out of GPU memory beside other work on the GPU; run again with the GPU to itself" in n
+               for n in res["notes"])
+
+
+def test_probe_out_of_memory_alone_is_a_finding_naming_the_bytes(tmp_path, probe_gpu):
+    res = probe(tmp_path, oom_candidate(tmp_path, "always"))
+    assert res["verdict"] == "FAIL"
+    (f,) = res["findings"]
+    assert f["check"] == "exception"
+    assert f["detail"] == ("CUDA out of memory with the GPU to itself (no other divergence arm or probe on it): "
+                           "tried to allocate 2.00 GiB on a GPU of 79.19 GiB")
+
+
+def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gpu):
+    """Another probe or A/B holds the GPU throughout: no finding against the candidate, the verdict INCONCLUSIVE
+    (exit 2 from `divergence probe`, INCONCLUSIVE in an A/B's probe signal), the free memory named."""
+    from divergence.detect.verdict import probe_signal
+
+    assert probe_gpu.try_share()
+    res = probe(tmp_path, oom_candidate(tmp_path, "always"))
+    probe_gpu.release()
+    assert res["verdict"] == "INCONCLUSIVE" and not res["findings"]
+    assert "not judged: out of GPU memory beside other work on the GPU" in res["detail"]
+    assert "(waited for up to 0.5 s once in this probe; 12.50 GiB of 80.00 GiB free)" in res["detail"]
+    assert probe_signal(res)["verdict"] == "INCONCLUSIVE"

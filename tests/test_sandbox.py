@@ -1,0 +1,452 @@
+"""The kernel server (divergence/sandbox): a candidate runs in a process of its own that sees nothing of the harness.
+
+From inside a candidate: no `divergence` module, no harness variable, a scratch folder for its working folder and
+$HOME, no harness frame on its stack, no lockstep check or recorder through `gc` (and in-process, with the opt-out,
+it sees all of them: the same candidate shows each check can fail). What it starts dies with its server, a
+setsid'd grandchild included; it cannot write into a results folder (Landlock); what comes back is plain data;
+its errors, crashes and hangs read as they always have. An A/B of a good zoo member still passes.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import divergence
+from divergence.candidates.loader import load_candidate
+from divergence.errors import CandidateError, OutputError
+from divergence.sandbox import IN_PROCESS, OPT_OUT, SANDBOXED, isolation_of
+from divergence.sandbox.client import KernelServer, RemoteFunction, ServerDied
+from divergence.sandbox.kernel_server import landlock_abi
+from divergence.slots import SLOTS, rmsnorm, swiglu
+
+PKG = str(Path(divergence.__file__).resolve().parent)
+REPO = Path(PKG).parent
+LANDLOCK = landlock_abi()
+
+
+@pytest.fixture
+def sandbox_on(monkeypatch):
+    """The default, whatever the environment says (an `ab` with `ab.sandbox: false` sets the variable)."""
+    monkeypatch.setenv(OPT_OUT, "on")
+
+
+def write(tmp_path, name: str, body: str) -> str:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+def lines(capfd, tag: str, timeout: float = 10.0) -> list:
+    """The candidate's printed lines starting with `tag` (its server's output reaches our fd 1 through its reaper,
+    a moment after it prints)."""
+    got, deadline = "", time.time() + timeout
+    while time.time() < deadline:
+        got += capfd.readouterr().out
+        found = [ln[len(tag):].strip() for ln in got.splitlines() if ln.startswith(tag)]
+        if found:
+            return found
+        time.sleep(0.05)
+    return []
+
+
+def state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def wait_gone(pid: int, timeout: float = 5.0) -> str:
+    deadline = time.time() + timeout
+    while state(pid) not in ("gone", "Z") and time.time() < deadline:
+        time.sleep(0.05)
+    return state(pid)
+
+
+def swiglu_inputs(seed=0):
+    return swiglu.make_inputs(torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------- what the candidate sees
+
+# A swiglu candidate that looks around at its import and at its first call, and says what it saw. It imports nothing
+# of ours (zoo members do, after the check at import).
+LOOKS_AROUND = """
+import gc, json, os, sys, torch
+SEEN = {{"modules_at_import": sorted(m for m in sys.modules if m.split(".")[0] == "divergence")}}
+
+def run(gate, up):
+    if "pid" not in SEEN:
+        f, frames = sys._getframe(), []
+        while f is not None:
+            frames.append(f.f_code.co_filename)
+            f = f.f_back
+        mods = ((type(o).__dict__.get("__module__"), type(o)) for o in gc.get_objects())
+        harness = sorted({{m + "." + t.__qualname__ for m, t in mods
+                          if isinstance(m, str) and m.split(".")[0] == "divergence"}})
+        SEEN.update(pid=os.getpid(), sid=os.getsid(0), cwd=os.getcwd(), home=os.environ.get("HOME"),
+                    env=sorted(k for k in os.environ if k.startswith(("DIVERGENCE_", "WANDB_", "PYTEST_"))),
+                    harness_frames=[p for p in frames if p.startswith({pkg!r})],
+                    lockstep=[h for h in harness if h.endswith((".Lockstep", ".Recorder", ".Kernels"))],
+                    harness_objects=len(harness))
+        print("SEEN " + json.dumps(SEEN), flush=True)
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_candidate_in_its_arm_sees_nothing_of_the_harness(mode, tmp_path, capfd, monkeypatch):
+    """In a real candidate arm (its lockstep check and recorder live in this process): from the kernel server the
+    candidate finds none of it. In-process (`off`) it finds every one, so none of these checks is vacuous."""
+    from divergence.detect.lockstep import Lockstep
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec, run_arm
+
+    monkeypatch.setenv(OPT_OUT, mode)
+    monkeypatch.setenv("DIVERGENCE_CANARY", "1")
+    monkeypatch.setenv("WANDB_CANARY", "1")
+    cand = write(tmp_path, "looks_around.py", LOOKS_AROUND.format(pkg=PKG))
+    r = load_recipe("tiny", {"train": {"steps": 2, "val_every": 1000, "snapshot_every": 0}})
+    info = run_arm(r, ArmSpec("candidate", "sgd", {"swiglu": cand}, lockstep="swiglu"), tmp_path / "arm",
+                   progress=False, watcher=Lockstep)
+    assert info["status"] == "OK", info.get("error")
+    seen = json.loads(lines(capfd, "SEEN ")[0])
+    if mode == "on":
+        assert seen["modules_at_import"] == [], seen
+        assert seen["env"] == [], seen
+        assert seen["pid"] != os.getpid() and seen["sid"] == seen["pid"], seen  # its own process and session
+        assert Path(seen["cwd"]).name.startswith("kernel-") and seen["home"] == seen["cwd"], seen
+        assert seen["harness_frames"] == [] and seen["lockstep"] == [] and seen["harness_objects"] == 0, seen
+    else:  # the same candidate in the arm's own process sees the harness everywhere
+        assert seen["modules_at_import"] and set(seen["env"]) >= {"DIVERGENCE_CANARY", "WANDB_CANARY"}
+        assert seen["pid"] == os.getpid() and seen["harness_frames"]
+        assert any(h.endswith(".Lockstep") for h in seen["lockstep"]), seen
+
+
+# ------------------------------------------------------------------------------------ what it starts, dies
+
+# An rmsnorm candidate that, at its first call, starts a grandchild out of reach: its own session (setsid), its
+# parent gone at once (a double fork), so neither the group kill nor PR_SET_PDEATHSIG reaches it.
+DETACHES = """
+import os, time
+_STARTED = []
+
+def run(x, weight, eps):
+    if not _STARTED:
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(w, str(os.getpid()).encode())
+                os.close(w)
+                while True:
+                    time.sleep(0.1)
+            os._exit(0)
+        os.wait()
+        os.close(w)
+        _STARTED.append(int(os.read(r, 64)))
+        print(f"GRANDCHILD {_STARTED[0]}", flush=True)
+    return x
+"""
+
+
+def test_a_detached_grandchild_is_killed_when_its_server_ends(tmp_path, capfd, sandbox_on):
+    impl = load_candidate("rmsnorm", write(tmp_path, "detaches.py", DETACHES))
+    impl.fn(*rmsnorm.make_inputs(torch.Generator().manual_seed(0)))
+    pid = int(lines(capfd, "GRANDCHILD ")[0])
+    server = impl.fn.sandbox.server
+    assert state(pid) in ("S", "R")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    assert int(fields[1]) == server.proc.pid  # re-parented to the reaper, the subreaper ...
+    assert int(fields[3]) != server.pid  # ... from a session other than the server's
+    server.close()
+    assert wait_gone(pid) in ("gone", "Z"), "the detached grandchild outlived its server"
+
+
+def test_a_detached_grandchild_dies_with_a_host_killed_by_sigkill(tmp_path):
+    """The arm (here a plain process) killed with -9 has no chance to clean up: the reaper sees it go and ends
+    the server and what the candidate started."""
+    cand = write(tmp_path, "detaches.py", DETACHES)
+    host = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time, torch
+            from divergence.candidates.loader import load_candidate
+            from divergence.slots import rmsnorm
+            impl = load_candidate("rmsnorm", {cand!r})
+            impl.fn(*rmsnorm.make_inputs(torch.Generator().manual_seed(0)))
+            time.sleep(600)
+        """)], cwd=REPO, env={**os.environ, OPT_OUT: "on"}, stdout=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        line = host.stdout.readline()
+        assert line.startswith("GRANDCHILD "), line
+        pid = int(line.split()[1])
+        assert state(pid) in ("S", "R")
+        os.kill(host.pid, signal.SIGKILL)
+        host.wait(10)
+        assert wait_gone(pid) in ("gone", "Z"), "the detached grandchild outlived the arm killed with -9"
+    finally:
+        host.kill()
+
+
+# --------------------------------------------------------------------------------------- no writes outside
+
+WRITES = """
+import errno, os
+
+def run(gate, up):
+    tried = {{}}
+    for what, act in [("append", lambda: open({target!r}, "a").write("forged\\n")),
+                      ("create", lambda: open({fresh!r}, "w").write("forged\\n")),
+                      ("remove", lambda: os.remove({target!r})),
+                      ("rename", lambda: (open("mine", "w").write("forged\\n"), os.replace("mine", {target!r}))),
+                      ("scratch", lambda: open("notes.txt", "w").write("mine\\n")),
+                      ("signal the harness", lambda: os.kill({host}, 0)),
+                      ("signal the reaper", lambda: os.kill(os.getppid(), 0))]:
+        try:
+            act()
+            tried[what] = "done"
+        except OSError as e:
+            tried[what] = errno.errorcode.get(e.errno, str(e.errno))
+    print("TRIED " + str(tried), flush=True)
+    return gate * up
+"""
+
+
+@pytest.mark.skipif(LANDLOCK < 1, reason="Landlock is not available on this kernel (Linux >= 5.13 with Landlock on)")
+def test_the_candidate_cannot_write_into_a_results_folder(tmp_path, capfd, sandbox_on):
+    results = tmp_path / "results" / "sgd" / "reference"
+    results.mkdir(parents=True)
+    target = results / "metrics.jsonl"
+    target.write_text('{"step": 0, "loss": 7.0}\n')
+    cand = write(tmp_path, "writes.py", WRITES.format(target=str(target), fresh=str(results / "arm.json"),
+                                                       host=os.getpid()))
+    impl = load_candidate("swiglu", cand)
+    assert impl.fn.sandbox.server.platform["landlock"] == LANDLOCK
+    impl.fn(*swiglu_inputs())
+    tried = eval(lines(capfd, "TRIED ")[0])  # a dict of words, printed by the candidate above
+    assert tried["scratch"] == "done", tried  # its own scratch folder is its to write
+    for what in ("append", "create", "remove"):
+        assert tried[what] == "EACCES", tried
+    assert tried["rename"] in ("EACCES", "EXDEV"), tried  # Landlock refuses a link across its rules with EXDEV
+    if LANDLOCK >= 6:  # signals are scoped from ABI 6 (Linux 6.12)
+        assert tried["signal the harness"] == "EPERM" and tried["signal the reaper"] == "EPERM", tried
+    assert target.read_text() == '{"step": 0, "loss": 7.0}\n' and not (results / "arm.json").exists()
+
+
+# --------------------------------------------------------------------------------------- only data comes back
+
+SUBCLASS = """
+import torch
+
+class Shown(torch.Tensor):  # exact when read in float64, as a checker reads; half when cast to float32
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.Tensor.to and torch.float32 in (*args[1:], (kwargs or {}).get("dtype")):
+            return out.as_subclass(torch.Tensor) * 0.5
+        return out
+
+def run(gate, up):
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype).as_subclass(Shown)
+"""
+
+
+def test_outputs_come_back_as_plain_tensors_and_a_subclass_is_refused(tmp_path, sandbox_on):
+    impl = load_candidate("swiglu", write(tmp_path, "shown.py", SUBCLASS))
+    gate, up = swiglu_inputs()
+    # What crosses: an exact torch.Tensor, the candidate's raw values, and a note of the class it had there
+    ret, _, notes = impl.fn.sandbox.server.call((gate, up), {})
+    g = gate.float()
+    exact = (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    assert type(ret) is torch.Tensor and torch.equal(ret, exact)
+    assert torch.equal(ret.to(torch.float32), exact.float())  # no method of the candidate's answers here
+    assert notes["outputs"][0]["cls"] == "Shown"
+    # What the harness is told: the candidate handed back more than data, in slots/outputs.py's words
+    with pytest.raises(OutputError) as e:
+        impl.fn(gate, up)
+    assert str(e.value).startswith(f"swiglu: candidate shown: output out is a Shown, a subclass of torch.Tensor")
+
+
+def test_hooks_on_the_model_parameters_find_nothing_to_hook_in_the_server(tmp_path, sandbox_on):
+    """tests/fixtures/outputs/grad_hook.py looks for the embedding among the process's objects and hangs a
+    gradient-halving hook on it (in-process its arm ends with an OutputError, tests/test_outputs.py): from its
+    server there is no model to reach, and its arm trains as the reference's would."""
+    from divergence.detect.lockstep import Lockstep
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec, run_arm
+
+    fixture = str(Path(__file__).resolve().parent / "fixtures" / "outputs" / "grad_hook.py")
+    r = load_recipe("tiny", {"train": {"steps": 2, "val_every": 1000, "snapshot_every": 0}})
+    info = run_arm(r, ArmSpec("candidate", "adamw", {"fused_embed_rmsnorm": fixture},
+                              lockstep="fused_embed_rmsnorm"), tmp_path / "arm", progress=False, watcher=Lockstep)
+    assert info["status"] == "OK" and not info["lockstep"]["wrong"], info.get("error")
+
+
+def test_global_state_the_candidate_changes_comes_back_as_if_it_ran_here(tmp_path, sandbox_on):
+    """A draw from the global generator and a new default dtype, there: here, the generator is where the same draw
+    would have left it, and the default dtype is the candidate's, for the lockstep's and the probe's watch to see
+    and put back."""
+    impl = load_candidate("swiglu", write(tmp_path, "draws.py", """
+        import torch
+        def run(gate, up):
+            torch.rand(3)
+            torch.set_default_dtype(torch.float64)
+            return gate * up
+        """))
+    gate, up = swiglu_inputs()
+    start = torch.random.get_rng_state()
+    torch.rand(3)
+    expected = torch.random.get_rng_state()
+    torch.random.set_rng_state(start)
+    try:
+        impl.fn(gate, up)
+        assert torch.get_default_dtype() == torch.float64
+        assert torch.equal(torch.random.get_rng_state(), expected)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_write_into_an_input_comes_back(tmp_path, sandbox_on):
+    impl = load_candidate("swiglu", write(tmp_path, "halves.py", """
+        def run(gate, up):
+            out = gate * up
+            up.mul_(0.5)
+            return out
+        """))
+    gate, up = swiglu_inputs()
+    was = up.clone()
+    impl.fn(gate, up)
+    assert torch.equal(up, was * 0.5)
+
+
+# ------------------------------------------------------------------------------------- errors, crashes, hangs
+
+
+def test_an_exception_is_one_line_with_the_servers_traceback_kept(tmp_path, sandbox_on):
+    impl = load_candidate("rmsnorm", write(tmp_path, "boom.py", """
+        def run(x, weight, eps):
+            raise RuntimeError("kernel launch failed: too many resources requested\\nsecond line")
+        """))
+    assert isolation_of(impl)["isolation"] == SANDBOXED
+    with pytest.raises(CandidateError) as e:
+        impl.fn(*rmsnorm.make_inputs(torch.Generator().manual_seed(0)))
+    assert str(e.value) == ("rmsnorm: candidate boom failed: RuntimeError: kernel launch failed: too many "
+                            "resources requested")
+    assert "raised in the kernel server" in "".join(getattr(e.value.__cause__, "__notes__", []))
+
+
+def _server_for(path: str, slot: str, on_death: str):
+    server = KernelServer(path, "test", on_death=on_death)
+    got = server.load(kind="file", path=path, module="kernel_test", symbol="run")
+    assert got["ok"] and got["found"], got
+    return RemoteFunction(server, SLOTS[slot], Path(path).stem, got)
+
+
+@pytest.mark.parametrize("body,said,code", [
+    ("import ctypes\n    ctypes.string_at(0)", "signal 11 (SIGSEGV)", -signal.SIGSEGV),
+    ("import os\n    os._exit(7)", "exit code 7", 7),
+])
+def test_a_crash_is_one_line_and_takes_its_host_down_the_same_way(body, said, code, tmp_path, sandbox_on):
+    """`on_death="raise"`: ServerDied in one line. By default the process that called it ends as the server
+    did, as it would have with the candidate in it: the probe's worker and the arm report their crash as before."""
+    cand = write(tmp_path, "dies.py", f"def run(x, weight, eps):\n    {body}\n")
+    fn = _server_for(cand, "rmsnorm", "raise")
+    with pytest.raises(ServerDied) as e:
+        fn(*rmsnorm.make_inputs(torch.Generator().manual_seed(0)))
+    assert str(e.value) == f"{cand}: the candidate's process died: {said}"
+
+    def host():
+        load_candidate("rmsnorm", cand).fn(*rmsnorm.make_inputs(torch.Generator().manual_seed(0)))
+        os._exit(0)
+
+    p = mp.get_context("fork").Process(target=host)
+    p.start()
+    p.join(120)
+    assert p.exitcode == code
+
+
+def test_a_hang_is_a_timeout_and_its_server_is_ended(tmp_path, sandbox_on):
+    from divergence.detect.probe import run_probe
+    from divergence.detect.probe.isolate import Limits
+
+    cand = write(tmp_path, "hangs.py", """
+        import os, time
+        def run(gate, up):
+            print(f"PID {os.getpid()}", flush=True)
+            while True:
+                time.sleep(0.05)
+        """)
+    res = run_probe("swiglu", cand, tmp_path / "p", seed=1, limits=Limits(family_s=1.0, per_melement_s=1.0,
+                                                                          load_s=60.0), only=["contract"])
+    (f,) = res["findings"]
+    assert f["check"] == "timeout" and "\n" not in f["detail"], f
+    assert res["candidate"]["isolation"] == SANDBOXED and res["candidate"]["sandbox"]["subreaper"]
+    pid = int((tmp_path / "p" / "worker.log").read_text().split("PID ")[1].split()[0])
+    assert wait_gone(pid) in ("gone", "Z"), "the hung server outlived the worker the watchdog killed"
+
+
+# ----------------------------------------------------------------------------------- the harness's own arms
+
+
+def test_reference_and_null_arms_never_start_a_server(monkeypatch, sandbox_on):
+    from divergence.ab.share import arm_key
+    from divergence.candidates.resolve import build_kernels
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec
+
+    def refuse(*a, **k):
+        raise AssertionError("a kernel server was started")
+
+    monkeypatch.setattr(KernelServer, "__init__", refuse)
+    assert all(i.role == "reference" for i in build_kernels({}).impls.values())
+    assert build_kernels({"swiglu": "null-1"}).impls["swiglu"].role == "null"
+    r = load_recipe("tiny")
+    shared = {"corpus": {}, "code": "x", "env": "cpu"}
+    assert arm_key(r, ArmSpec("null-1", "sgd", {"swiglu": "null-1"}), shared) is not None
+    with pytest.raises(AssertionError, match="a kernel server was started"):  # a candidate does start one
+        load_candidate("swiglu", "zoo:swiglu_fp16_math")
+
+
+def test_the_opt_out_loads_in_process_and_says_so(monkeypatch):
+    monkeypatch.setenv(OPT_OUT, "off")
+    impl = load_candidate("swiglu", "zoo:swiglu_fp16_math")
+    assert getattr(impl.fn, "sandbox", None) is None and isolation_of(impl) == {"isolation": IN_PROCESS}
+
+
+def test_ab_of_a_good_zoo_member_passes_in_its_server(tmp_path, shared_arms, monkeypatch, capsys):
+    """`divergence ab` on the tiny recipe, a good member, sandboxed and then with `ab.sandbox: false`: both PASS,
+    and the verdict names where the candidate ran. Arms shared: the second run trains its candidate arm alone."""
+    from divergence.cli import main
+
+    monkeypatch.setenv(OPT_OUT, "on")  # undone after the test: `ab.sandbox: false` sets it to off for this process
+    walls = {}
+    for mode, extra in (("on", []), ("off", ["--set", "ab.sandbox=false"])):
+        t0 = time.time()
+        out = tmp_path / mode
+        code = main(["ab", "--kernel", "fused_embed_rmsnorm", "--candidate", "zoo:embed_fp64_accum", "--recipe",
+                     "tiny", "--optimizers", "sgd", "--set", "train.steps=12", "--no-wandb", "--no-probe",
+                     "--out", str(out), *extra])
+        walls[mode] = time.time() - t0
+        v = json.loads((out / "verdict.json").read_text())
+        assert code == 0 and v["verdict"] == "PASS", v["summary"]
+        assert v["candidate"]["isolation"] == (SANDBOXED if mode == "on" else IN_PROCESS)
+        if mode == "on":
+            assert v["candidate"]["sandbox"]["subreaper"] is True
+            assert v["candidate"]["sandbox"]["landlock"] == (LANDLOCK or False)
+        walls[mode + " arm"] = json.loads((out / "sgd" / "candidate" / "arm.json").read_text())["wall_s"]
+    with capsys.disabled():
+        print(f"\nab tiny, 12 steps, sgd, candidate arm: sandboxed {walls['on arm']:.1f} s, in-process "
+              f"{walls['off arm']:.1f} s; whole command {walls['on']:.1f} s vs {walls['off']:.1f} s")
