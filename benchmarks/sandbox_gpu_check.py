@@ -24,6 +24,9 @@ got = {"variant": variant}
 scratch = tempfile.mkdtemp()
 if "caps" in variant:
     got["caps"] = ks.drop_capabilities()
+if "init-first" in variant:  # CUDA initialised before Landlock: what the server does on a GPU machine
+    import torch
+    torch.ones(1, device="cuda"); torch.cuda.synchronize()
 if "landlock" in variant:
     got.update({k: str(v) for k, v in ks.confine(scratch, scratch).items()})
 import torch
@@ -48,7 +51,7 @@ def main():
     dev, h, size, off, ref, ref_off, ev, evsync = st._share_cuda_()
     handle = {"device": dev, "handle": h.hex(), "size": size, "offset": off, "ref": ref.hex(), "ref_off": ref_off,
               "ev": ev.hex(), "evsync": evsync, "offset_el": src.storage_offset()}
-    for variant in ("plain", "caps", "landlock", "caps+landlock"):
+    for variant in ("plain", "caps", "landlock", "init-first+landlock"):
         p = subprocess.run([sys.executable, "-c", CHILD, str(SERVER), variant, json.dumps(handle)],
                            capture_output=True, text=True, timeout=120)
         print(p.stdout.strip() or json.dumps({"variant": variant, "rc": p.returncode, "err": p.stderr[-400:]}),

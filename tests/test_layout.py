@@ -17,7 +17,7 @@ LAYERS = [
     {"divergence.data"},
     {"divergence.slots"},
     {"divergence.zoo"},
-    {"divergence.candidates"},
+    {"divergence.candidates", "divergence.sandbox"},  # the loader starts kernel servers; servers use its guards
     {"divergence.model"},
     {"divergence.train"},
     {"divergence.detect"},

@@ -223,20 +223,22 @@ def probe_gpu(tmp_path, monkeypatch):
     return G.GpuLock("sim-probe", tmp_path / "locks")  # another process's hold on the same GPU, for the test
 
 
-def probe(tmp_path, cand):
+def probe(tmp_path, cand, monkeypatch):
+    # In-process: the candidate's marker file lives in the test's folder, which a kernel server may not write to
+    monkeypatch.setenv("DIVERGENCE_SANDBOX", "off")
     # A family off the contract's shapes: an exception there is a finding (at the contract's, NEEDS-SHAPES)
     return run_probe("swiglu", cand, tmp_path / "p", seed=1, limits=FAST, only=["odd"])
 
 
-def test_probe_out_of_memory_beside_others_passes_with_the_gpu_alone(tmp_path, probe_gpu):
-    res = probe(tmp_path, oom_candidate(tmp_path, "first"))
+def test_probe_out_of_memory_beside_others_passes_with_the_gpu_alone(tmp_path, probe_gpu, monkeypatch):
+    res = probe(tmp_path, oom_candidate(tmp_path, "first"), monkeypatch)
     assert res["verdict"] == "PASS" and not res["findings"], res["findings"]
     assert any("ran out of GPU memory beside other work on the GPU; run again with the GPU to itself" in n
                for n in res["notes"])
 
 
-def test_probe_out_of_memory_alone_is_a_finding_naming_the_bytes(tmp_path, probe_gpu):
-    res = probe(tmp_path, oom_candidate(tmp_path, "always"))
+def test_probe_out_of_memory_alone_is_a_finding_naming_the_bytes(tmp_path, probe_gpu, monkeypatch):
+    res = probe(tmp_path, oom_candidate(tmp_path, "always"), monkeypatch)
     assert res["verdict"] == "FAIL"
     (f,) = res["findings"]
     assert f["check"] == "exception"
@@ -244,13 +246,13 @@ def test_probe_out_of_memory_alone_is_a_finding_naming_the_bytes(tmp_path, probe
                            "tried to allocate 2.00 GiB on a GPU of 79.19 GiB")
 
 
-def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gpu):
+def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gpu, monkeypatch):
     """Another probe or A/B holds the GPU throughout: no finding against the candidate, the verdict INCONCLUSIVE
     (exit 2 from `divergence probe`, INCONCLUSIVE in an A/B's probe signal), the free memory named."""
     from divergence.detect.verdict import probe_signal
 
     assert probe_gpu.try_share()
-    res = probe(tmp_path, oom_candidate(tmp_path, "always"))
+    res = probe(tmp_path, oom_candidate(tmp_path, "always"), monkeypatch)
     probe_gpu.release()
     assert res["verdict"] == "INCONCLUSIVE" and not res["findings"]
     assert "not judged: out of GPU memory beside other work on the GPU" in res["detail"]

@@ -1,4 +1,4 @@
-"""One rule for "the candidate wrote into a tensor" (detect/bitwise.py): bit for bit, for the probe's
+"""One rule for "the candidate wrote into a tensor" (slots/bitwise.py): bit for bit, for the probe's
 input-mutation check and the lockstep check's flag alike. A value comparison misses a NaN written over a 0 (through
 nan_to_num) or over another NaN, and -0.0 written over 0.0."""
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from divergence.detect import bitwise
+from divergence.slots import bitwise
 from divergence.detect.probe import checks
 from divergence.slots import SLOTS, rmsnorm
 from test_lockstep import _rmsnorm_lockstep

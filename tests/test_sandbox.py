@@ -280,6 +280,33 @@ def test_outputs_come_back_as_plain_tensors_and_a_subclass_is_refused(tmp_path, 
     assert str(e.value).startswith(f"swiglu: candidate shown: output out is a Shown, a subclass of torch.Tensor")
 
 
+@pytest.mark.parametrize("returns", ["x", "x * 1"])
+def test_a_candidate_that_takes_over_its_server_cannot_reach_past_a_storage(returns, tmp_path, sandbox_on):
+    """The candidate owns its server's process: it rewrites how the server describes its outputs, to a view far past
+    their storage (`x`: one of our own inputs' storages, which torch's set_ would read and write past). What comes
+    back is checked here, element by element of the view, and refused in one line."""
+    impl = load_candidate("rmsnorm", write(tmp_path, "takes_over.py", f"""
+        import sys
+
+        def run(x, weight, eps):
+            server = sys.modules["__main__"]  # the server script: its codec is the candidate's to rewrite
+            if not getattr(server, "_taken", False):
+                plain = server.describe_tensor
+
+                def wide(t, s, start):
+                    d = plain(t, s, start)
+                    d["stride"] = [1 << 20] * len(d["stride"])
+                    return d
+
+                server.describe_tensor, server._taken = wide, True
+            return {returns}
+        """))
+    with pytest.raises(CandidateError) as e:
+        impl.fn(*rmsnorm.make_inputs(torch.Generator().manual_seed(0)))
+    assert str(e.value).endswith("the kernel server's reply could not be read (a tensor beyond its storage)")
+    assert "\n" not in str(e.value)
+
+
 def test_hooks_on_the_model_parameters_find_nothing_to_hook_in_the_server(tmp_path, sandbox_on):
     """tests/fixtures/outputs/grad_hook.py looks for the embedding among the process's objects and hangs a
     gradient-halving hook on it (in-process its arm ends with an OutputError, tests/test_outputs.py): from its
@@ -428,7 +455,9 @@ def test_the_opt_out_loads_in_process_and_says_so(monkeypatch):
 
 def test_ab_of_a_good_zoo_member_passes_in_its_server(tmp_path, shared_arms, monkeypatch, capsys):
     """`divergence ab` on the tiny recipe, a good member, sandboxed and then with `ab.sandbox: false`: both PASS,
-    and the verdict names where the candidate ran. Arms shared: the second run trains its candidate arm alone."""
+    the verdict names where the candidate ran, and the candidate's arm trained the same, byte for byte (inputs,
+    outputs and torch's global state cross as they would within one process). Arms shared: the second run trains
+    its candidate arm alone."""
     from divergence.cli import main
 
     monkeypatch.setenv(OPT_OUT, "on")  # undone after the test: `ab.sandbox: false` sets it to off for this process
@@ -447,6 +476,8 @@ def test_ab_of_a_good_zoo_member_passes_in_its_server(tmp_path, shared_arms, mon
             assert v["candidate"]["sandbox"]["subreaper"] is True
             assert v["candidate"]["sandbox"]["landlock"] == (LANDLOCK or False)
         walls[mode + " arm"] = json.loads((out / "sgd" / "candidate" / "arm.json").read_text())["wall_s"]
+    arm = Path("sgd") / "candidate" / "metrics.jsonl"
+    assert (tmp_path / "on" / arm).read_bytes() == (tmp_path / "off" / arm).read_bytes()
     with capsys.disabled():
         print(f"\nab tiny, 12 steps, sgd, candidate arm: sandboxed {walls['on arm']:.1f} s, in-process "
               f"{walls['off arm']:.1f} s; whole command {walls['on']:.1f} s vs {walls['off']:.1f} s")

@@ -179,7 +179,7 @@ def _renamed_input(d, old, new):
      "input grad_output has rank 2 ([num_tokens, hidden_size]), the slot's has rank 3 [batch, seq, hidden]"),
     (lambda d: d["outputs"]["grad_embed_weight"].update(shape=["hidden_size", "vocab_size"]),
      "axis hidden_size stands for both hidden and vocab of the slot"),
-    (lambda d: d["axes"].update(one={"type": "const", "value": 2}), "input rstd: axis one must be of size 1"),
+    (lambda d: d["inputs"]["rstd"].update(shape=["batch_size", "seq_len", "2"]), "input rstd: axis 2 must be of size 1"),
 ])
 def test_a_definition_that_does_not_fit_is_refused_in_one_line(tmp_path, change, message):
     d = raw_definition()

@@ -8,7 +8,7 @@
 # whether it matches, wall seconds, the probe's verdict line), probe-<name>.log and probe/<name>/probe.json,
 # sol087-soak.yaml, soak.log, soak.csv, soak-table.txt (the printed table), soak-wall.txt, summary.txt.
 # Environment: PYTHON (default .venv/bin/python where it exists, else python), PROBE_TIMEOUT (seconds per probe,
-# default 1800), SOAK_WORKERS (arms at once, default 2: three arms at these shapes do not fit one 80 GB card),
+# default 1800), SOAK_WORKERS (the cap on arms at once, default auto: as many as fit in the GPU's free memory),
 # SOAK=0 to skip the soak. A failing or hung probe is recorded and the rest go on.
 # Exit status: 0 when every probe gave its expected exit code, 1 otherwise (the soak's own code is in summary.txt).
 set -u
@@ -25,7 +25,7 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
 PROBE_TIMEOUT=${PROBE_TIMEOUT:-1800}
-SOAK_WORKERS=${SOAK_WORKERS:-2}
+SOAK_WORKERS=${SOAK_WORKERS:-auto}
 SOAK=${SOAK:-1}
 
 expected() {  # the expected verdict of submission $1: the last cell of its row in the README's table
@@ -84,8 +84,7 @@ name: sol087
 recipe: h200-shapes  # the GPU recipe for declared production shapes (2 layers, 200 steps)
 definitions: $HERE  # the problem's definition.json, found by each solution's definition name
 overrides:
-  shapes: {hidden: 4096, vocab: 65536}  # the definition's constant axes
-  ab: {workers: $SOAK_WORKERS}  # arms at once on the GPU
+  ab: {workers: $SOAK_WORKERS}  # the cap on arms at once on the GPU (shapes: each solution's definition)
 optimizers: [adamw]
 seeds: [0]
 candidates:

@@ -13,11 +13,9 @@ file and is refused, whatever it wraps.
 """
 from __future__ import annotations
 
-import os
 import sys
 
-import torch
-import torch.nn.functional
+import torch.nn.functional  # noqa: F401 (the namespaces below are torch's, loaded)
 
 from ..errors import CandidateError
 from ..sandbox.kernel_server import TORCH_NAMESPACES, namespace, torch_own  # the kernel server guards the same

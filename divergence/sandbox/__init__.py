@@ -6,10 +6,9 @@ each platform gives and what crosses the boundary: kernel_server.py and client.p
 protects against and what it does not.
 
 Opting out: `ab.sandbox: false` in a recipe, or DIVERGENCE_SANDBOX=off in the environment, loads candidates in the
-process that calls them, as before the server existed (the verdict's candidate then says "isolation":
-"in-process (opt-out)"). In-process, the harness's own guards of what a candidate does beyond its outputs (hooks on
-the model's parameters, the import guard on the live process) apply; in the server there is nothing of the harness
-to reach.
+process that calls them (the verdict's candidate then says "isolation": "in-process (opt-out)"). In-process, the
+harness's own guards of what a candidate does beyond its outputs (hooks on the model's parameters, the import guard
+on the live process) apply; in the server there is nothing of the harness to reach.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ What crosses, and how:
   its own where torch has one: a mapping exposes whole allocator segments, which then hold staging buffers only),
   mapped by the server; what it wrote there is compared with ours and copied back. Outputs are mapped from the
   server's memory and copied at once into storages of ours. Where CUDA IPC fails (checked once, with a tensor of
-  16 elements), GPU tensors go by copy through the host (`platform["cuda"]` says which).
+  16 elements), GPU tensors go by copy through the host (`platform["cuda_transport"]` says which).
 - Outputs are rebuilt here as exact torch.Tensors, on storages of ours. An output buffer the candidate keeps and
   returns again comes back into the same storage of ours (kernel_server's tokens), so a kernel whose outputs its
   next call overwrites is seen doing so. What else an output carried (a subclass, autograd state, hooks, methods on
@@ -62,12 +62,30 @@ STAGING_BYTES = 1 << 30  # storages kept mapped/mirrored per server beyond the c
 _DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
 _REF = re.compile(rb"/torch_(\d+)_\d+_\d+")  # torch's shared-memory names: /torch_<pid>_<random>_<counter>
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
+_TIMED = [False]  # timed_calls(): servers started from this process load torch's compiler first
+
+
+_PRELOAD = ["torch._inductor.config"]
+
+
+def timed_calls() -> None:
+    """Calls from this process are timed tightly (the probe's worker: 30 s a family, 1 s in the hostile tests).
+    torch.use_deterministic_algorithms imports inductor's config on its first call (1.4-3 s on the 2-core CPU,
+    2026-11-27): in-process a candidate that calls it pays that once, in its family; with a kernel server it would
+    be paid twice, there by the candidate and here by the global-state watch putting the flag back. So the servers
+    this process starts import it before the candidate, and this process meanwhile. Elsewhere (the A/B's arms:
+    120 s a step) that would be 3 s of every server's start spent on nothing."""
+    _TIMED[0] = True
 
 # The environment a server gets: the toolchain's and the GPU stack's variables, nothing of the harness (no
 # DIVERGENCE_*, WANDB_*, PYTEST_*, RAY_*, Lightning's, the user's own).
 _KEEP = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "CC", "CXX", "NVCC", "MAX_JOBS"}
 _KEEP_PREFIX = ("LC_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
                 "CUBLAS_", "CUDNN_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "HIP_", "ROCM_", "ROCR_", "HSA_")
+
+
+class _NoIpc(Exception):
+    """CUDA IPC did not carry the check's tensor there and back."""
 
 
 class ServerDied(CandidateError):
@@ -93,7 +111,11 @@ def environment(scratch: Path, cache: Path) -> dict:
     (scratch / "tmp").mkdir(exist_ok=True)
     env.update(HOME=str(scratch), PWD=str(scratch), TMPDIR=str(scratch / "tmp"), XDG_CACHE_HOME=str(cache / "xdg"),
                TRITON_CACHE_DIR=str(cache / "triton"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-               TORCH_EXTENSIONS_DIR=str(cache / "torch_extensions"))
+               TORCH_EXTENSIONS_DIR=str(cache / "torch_extensions"),
+               # torch.compile in the server itself, not in a pool of compile workers: the pool's processes inherit
+               # the server's Landlock, under which CUDA does not initialise (kernel_server.confine), and every
+               # recompile at a new shape failed there ("InductorError: SubprocException"; one H100 host, 2026-11-27)
+               TORCHINDUCTOR_COMPILE_THREADS="1")
     return env
 
 
@@ -145,12 +167,19 @@ class KernelServer:
         self._pool = None
         _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.ctl, self.proc, str(self.scratch))
-        # torch's subsystems this process has loaded are loaded there too, before the candidate: its first call
-        # costs there what it would cost here (torch.use_deterministic_algorithms imports inductor: 1.5 s)
-        preload = [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]
-        wire.send(self.conn, {"op": "hello", "cache": str(self.cache), "sys_path": _sys_path(), "preload": preload,
-                              "state_source": Path(globalstate.__file__).read_text()})
-        hello = self._recv()
+        preload = _PRELOAD if _TIMED[0] else []
+        self.on_death = "raise"  # before the candidate is imported, an end is the server's own, not the candidate's
+        try:
+            self._send({"op": "hello", "cache": str(self.cache), "sys_path": _sys_path(), "preload": preload,
+                        "state_source": Path(globalstate.__file__).read_text()})
+            for name in preload:  # here while the server starts
+                importlib.import_module(name)
+            hello = self._recv()
+        except ServerDied as e:
+            raise CandidateError(f"{where}: the kernel server did not start ({describe(e.how)}; its last words are "
+                                 "in this process's log); DIVERGENCE_SANDBOX=off runs candidates in this process "
+                                 "instead") from None
+        self.on_death = on_death
         self.pid = hello.get("pid")
         self.platform = dict(hello.get("platform") or {}, torch=hello.get("torch"))
         info = self._ctl_line(10.0) or {}
@@ -212,12 +241,24 @@ class KernelServer:
             _die_like(how)
         raise ServerDied(f"{self.where}: the candidate's process died: {describe(how)}", how)
 
+    def _send(self, header: dict, bufs=()) -> None:
+        try:
+            wire.send(self.conn, header, bufs)
+        except OSError:  # it is gone (a thread it left called os._exit, it was killed): how, from its reaper
+            self._lost()
+
+    def _into(self, array, n: int) -> None:
+        """The reply's next buffer into `array`, counted (a reply abandoned midway is drained by the count)."""
+        wire.recv_into(self.conn, array, n)
+        self._read += 1
+
     def _recv(self) -> dict:
+        self._read = 0
         try:
             h = wire.recv_header(self.conn)
         except (EOFError, OSError):
             self._lost()
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             self.close()
             raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
         return h
@@ -229,7 +270,7 @@ class KernelServer:
         patched), with the global state it changed at import already set here."""
         with self.lock:
             state, bufs = _pack_state()
-            wire.send(self.conn, {"op": "load", **request, **state}, bufs)
+            self._send({"op": "load", **request, **state}, bufs)
             h = self._recv()
             self._take_state(h)
             return h
@@ -247,23 +288,27 @@ class KernelServer:
             k = wire.pack(torch, dict(kwargs), tensors)
             if self.cuda is None and any(t.is_cuda for t in tensors):
                 self.cuda = "ipc" if self._ipc_works(next(t for t in tensors if t.is_cuda).device) else "copy"
-                self.platform["cuda"] = self.cuda
+                self.platform["cuda_transport"] = self.cuda  # (the server's "cuda" says how it initialised CUDA)
             groups, storages, descs, bufs, drop = self._pack_inputs(tensors)
             state, state_bufs = _pack_state()
             header = {"op": "call", "args": a, "kwargs": k, "tensors": descs, "storages": storages, "drop": drop,
                       "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", **state}
-            wire.send(self.conn, header, bufs + state_bufs)
+            self._send(header, bufs + state_bufs)
             h = self._recv()
             try:
                 self._copy_back(h, groups)
                 outs = self._outputs(h, groups) if h.get("ok") else []
-            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+                ret = wire.unpack(torch, h["ret"], outs, _Opaque.make) if h.get("ok") else None
+                self._take_state(h)
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError, AttributeError) as e:
+                if echo:  # our own check of CUDA IPC failed: the reply drained, the server kept, copies instead
+                    for _ in range(max(0, wire._int(h.get("nbuf", 0)) - self._read)):
+                        self.conn.recv_bytes()
+                    raise _NoIpc(f"{type(e).__name__}: {e}") from None
                 self.close()
                 raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
-            self._take_state(h)
             if not h.get("ok"):
                 raise _exception(h.get("error") or {}, self.where)
-            ret = wire.unpack(torch, h["ret"], outs, _Opaque.make)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
             return ret, late, notes
@@ -276,13 +321,11 @@ class KernelServer:
         try:
             got, _, _ = self.call((probe,), {}, echo=True)
             ok = isinstance(got, torch.Tensor) and torch.equal(got, probe)
-        except CandidateError as e:
-            if isinstance(e, ServerDied):
-                raise
+        except (ServerDied, OSError):
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the round trip: GPU tensors go by copy instead
             ok = False
-            self.platform["cuda_ipc_error"] = str(e)[:300]
-        self.staging.clear()
-        self.keys.clear()
+            self.platform["cuda_ipc_error"] = f"{type(e).__name__}: {e}"[:300]
         return ok
 
     def _pool_alloc(self, n: int, device):
@@ -294,14 +337,14 @@ class KernelServer:
             except Exception:  # noqa: BLE001 - older torch: the shared allocator, its segments may hold other data
                 self._pool = False
                 self.platform["staging"] = "shared allocator"
-        if self._pool:
+        if self._pool is not False:
             with torch.cuda.use_mem_pool(self._pool, device=device):
                 return torch.empty(n, dtype=torch.uint8, device=device)
         return torch.empty(n, dtype=torch.uint8, device=device)
 
     def _pack_inputs(self, tensors) -> tuple:
         groups, storages, descs, bufs = [], [], [None] * len(tensors), []
-        sync = False
+        sync = set()
         for st, idx, start, end in wire.group(tensors):
             n = end - start
             key = json.dumps([st.data_ptr(), start, n, str(st.device)])
@@ -318,7 +361,7 @@ class KernelServer:
                 else:
                     entry["via"] = "mapped"
                 buf.copy_(view)
-                sync = True
+                sync.add(st.device)
                 groups.append({"storage": st, "start": start, "n": n, "staging": buf})
             else:
                 entry["via"] = "buf"
@@ -332,8 +375,8 @@ class KernelServer:
             self.keys.move_to_end(key)
             for i in idx:
                 descs[i] = wire.describe_tensor(tensors[i], len(storages) - 1, start)
-        if sync:  # the staging copies done before the server reads them
-            torch.cuda.current_stream().synchronize()
+        for dev in sync:  # the staging copies done before the server reads them
+            torch.cuda.current_stream(dev).synchronize()
         # Forget the oldest storages beyond this call's and STAGING_BYTES (the server forgets them too)
         now = {json.dumps(s["key"]) for s in storages}
         drop, total = [], sum(self.keys.values())
@@ -357,10 +400,10 @@ class KernelServer:
                 raise ValueError("a mapped input sent back")
             target = wire.u8(torch, g["storage"], g["start"], g["n"])
             if target.device.type == "cpu":
-                wire.recv_into(self.conn, target.numpy(), g["n"])
+                self._into(target.numpy(), g["n"])
             else:
                 host = torch.empty(g["n"], dtype=torch.uint8)
-                wire.recv_into(self.conn, host.numpy(), g["n"])
+                self._into(host.numpy(), g["n"])
                 target.copy_(host)
         for g in groups:
             if g["staging"] is not None:
@@ -384,10 +427,10 @@ class KernelServer:
             view = wire.u8(torch, mine, 0, n)
             if d.get("via") == "buf":
                 if view.device.type == "cpu":
-                    wire.recv_into(self.conn, view.numpy(), n)
+                    self._into(view.numpy(), n)
                 else:
                     host = torch.empty(n, dtype=torch.uint8)
-                    wire.recv_into(self.conn, host.numpy(), n)
+                    self._into(host.numpy(), n)
                     view.copy_(host)
             elif d.get("via") == "ipc" and self.cuda == "ipc":
                 theirs = self._open(d["ipc"], torch.device(dev))
@@ -395,13 +438,13 @@ class KernelServer:
                 if start + n > theirs.nbytes():
                     raise ValueError("a span beyond its storage")
                 view.copy_(wire.u8(torch, theirs, start, n))
-                opened.append(theirs)
+                opened.append(theirs)  # mapped until our copy is done: its release lets the server reuse the block
             else:
                 raise ValueError(f"storage sent {d.get('via')!r}")
             stores.append((mine, 0))
-        if opened:  # our copies done before their blocks are let go of (the server may reuse them at once)
-            torch.cuda.current_stream().synchronize()
-            del opened
+        for dev in {st.device for st in opened}:
+            torch.cuda.current_stream(dev).synchronize()
+        opened.clear()
         out = []
         for d in h.get("out_tensors") or []:
             st, start = stores[wire._int(d["s"])]
@@ -431,6 +474,7 @@ class KernelServer:
             raise ValueError("a shared-memory name that is not the server's")
         if wire._int(a["device"]) != device.index:
             raise ValueError("a storage on another device")
+        torch.cuda._lazy_init()
         return torch.UntypedStorage._new_shared_cuda(
             a["device"], bytes.fromhex(a["handle"]), wire._int(a["size"]), wire._int(a["offset"]), ref,
             wire._int(a["ref_offset"]), bytes.fromhex(a["event"]) if a.get("event") else None,
@@ -444,7 +488,7 @@ class KernelServer:
             if dt is None:
                 raise ValueError(f"dtype {d.get('dtype')!r}")
             t = torch.empty([wire._int(x) for x in d["shape"]], dtype=dt)
-            wire.recv_into(self.conn, wire.u8(torch, t.untyped_storage(), 0, t.untyped_storage().nbytes()).numpy(),
+            self._into(wire.u8(torch, t.untyped_storage(), 0, t.untyped_storage().nbytes()).numpy(),
                            wire._int(d["n"]))
             tensors.append(t)
         values = wire.unpack(torch, h.get("state") or {"D": []}, tensors)
@@ -547,7 +591,8 @@ def _exception(info: dict, where: str) -> BaseException:
     name = wire.safe_name(info.get("type"))
     msg = str(info.get("msg", ""))
     if info.get("stage") == "request":
-        return CandidateError(f"{where}: the kernel server could not read a request ({name}: {msg.splitlines()[0] if msg else ''})")
+        first = msg.splitlines()[0] if msg else ""
+        return CandidateError(f"{where}: the kernel server could not read a request ({name}: {first})")
     base = getattr(builtins, name, None)
     if not (isinstance(base, type) and issubclass(base, BaseException)):
         base = _TORCH_ERRORS.get(name) or Exception
@@ -690,10 +735,10 @@ def _stand_in(t, note: dict):
     """A tensor of ours with what the candidate's output carried there (a subclass of that name, a graph, hooks,
     methods set on it), for outputs.py to put into words; never handed to anyone else."""
     s = t.detach().clone()
-    if note.get("layout"):
+    if note.get("layout") in ("sparse_coo", "sparse_csr", "sparse_csc"):
         try:
             s = s.to_sparse(layout=getattr(torch, note["layout"]))
-        except (AttributeError, RuntimeError, TypeError):
+        except (RuntimeError, TypeError):
             pass
     if note.get("autograd") or note.get("hooks"):
         with torch.enable_grad():  # (the caller may be under no_grad, as a slot's forward is)

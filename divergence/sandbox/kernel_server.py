@@ -23,13 +23,15 @@ Two processes:
 
 What each platform gives (recorded in `platform`, which the verdict names):
 
-| platform | reaper (subreaper) | PR_SET_PDEATHSIG | Landlock writes | TCP | signal scope | capabilities |
-| --- | --- | --- | --- | --- | --- | --- |
-| Linux >= 6.12 (Landlock ABI 6+; this machine: 6.18, ABI 7) | yes | yes | denied outside the list | denied | yes | dropped |
-| Linux 6.7-6.11 (ABI 4-5) | yes | yes | yes | denied | no: a candidate can SIGKILL its reaper first, and then what it started outlives the server | dropped |
-| Linux 5.13-6.6 (ABI 1-3; ABI 1 lacks truncate and cross-folder renames) | yes | yes | yes | open | no | dropped |
-| Linux < 5.13, or Landlock off at boot | yes | yes | no (`landlock: false` with the reason) | open | no | dropped |
-| other systems (not tested) | no | no | no | open | no | no |
+- Linux >= 6.12 (Landlock ABI 6+; the development machine: 6.18, ABI 7): the reaper; PR_SET_PDEATHSIG; writes
+  only where listed; no TCP; no signals out (it cannot kill its reaper, the arm or `divergence`); no capabilities.
+- Linux 6.7-6.11 (ABI 4-5): the same, but signals out are allowed: a candidate that kills its reaper first leaves
+  what it starts afterwards running.
+- Linux 6.2-6.6 (ABI 3): writes confined; TCP open. Linux 5.13-6.1 (ABI 1-2): the same, except that truncating
+  is not (a candidate can empty a file it may not write), and under ABI 1 no rename crosses folders at all.
+- Linux < 5.13, or Landlock off at boot: the reaper, PR_SET_PDEATHSIG and no capabilities; writes wherever the user
+  may (`landlock: false` with the reason).
+- Other systems (not tested): a server process and nothing more (no subreaper, no PR_SET_PDEATHSIG, no /proc scan).
 
 Everywhere the candidate is a separate process: it cannot read the harness's memory, find the lockstep check or the
 recorder through `gc`, see harness frames on its stack or harness modules in `sys.modules`, or hand back anything
@@ -136,16 +138,20 @@ def _int(x, lo=0) -> int:
 
 
 def build_tensor(torch, desc: dict, storage, names: dict):
-    """An exact torch.Tensor on `storage` from a descriptor; torch checks the bounds (set_ refuses out-of-range
-    sizes, strides and offsets)."""
+    """An exact torch.Tensor on `storage` from a descriptor, every element inside the storage: torch's set_ checks
+    no bounds (it grows a resizable storage, and reads past one that is not)."""
     dt = names.get(desc.get("dtype"))
     if dt is None:
         raise ValueError(f"unknown dtype {desc.get('dtype')!r}")
     shape = [_int(n) for n in desc.get("shape", [])]
     stride = [_int(s) for s in desc.get("stride", [])]
+    offset = _int(desc.get("offset"))
     if len(shape) != len(stride) or len(shape) > 64:
         raise ValueError("shape and stride disagree")
-    return torch.empty(0, dtype=dt, device=storage.device).set_(storage, _int(desc.get("offset")), shape, stride)
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    if 0 not in shape and (last + 1) * dt.itemsize > storage.nbytes():
+        raise ValueError("a tensor beyond its storage")
+    return torch.empty(0, dtype=dt, device=storage.device).set_(storage, offset, shape, stride)
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.<>]{0,119}")
@@ -286,7 +292,8 @@ def torch_fingerprint() -> dict:
 def torch_patched(before: dict) -> tuple:
     """(replaced, removed) names of the torch namespaces since `before`."""
     after = torch_fingerprint()
-    changed = sorted(k for k in before if k in after and after[k] is not before[k] and not torch_own(before[k], after[k]))
+    changed = sorted(k for k in before
+                     if k in after and after[k] is not before[k] and not torch_own(before[k], after[k]))
     return changed, sorted(k for k in before if k not in after)
 
 
@@ -431,7 +438,7 @@ def drop_capabilities() -> bool:
 
 def confine(scratch: str, cache: str) -> dict:
     """This process (the server, before torch and the candidate): what the platform gave, for the verdict."""
-    got = {"process": "own session", "pdeathsig": True}
+    got = {"process": "own session"}
     got["capabilities"] = "dropped" if drop_capabilities() else "kept"
     dev = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/kfd"]
     for folder in ("/dev", "/dev/nvidia-caps", "/dev/dri"):  # the GPU's device files (NVIDIA, ROCm)
@@ -440,6 +447,21 @@ def confine(scratch: str, cache: str) -> dict:
                     if folder != "/dev" or n.startswith("nvidia")]
         except OSError:
             pass
+    if any(os.path.basename(d) == "nvidiactl" for d in dev):
+        # CUDA does not initialise under Landlock (cudaGetDeviceCount: error 304, "OS call failed or operation not
+        # supported on this OS"; one H100 host, Linux 6.18, Landlock ABI 7, 2026-11-27,
+        # benchmarks/sandbox_gpu_check.py), and works there once initialised before it: its device files are open
+        # then, kernels launch and CUDA IPC maps the trusted side's tensors. torch itself is imported here for it,
+        # before the candidate, which still comes after the confinement.
+        try:
+            import torch
+
+            torch.cuda.init()
+            torch.empty(1, device="cuda")
+            torch.cuda.synchronize()
+            got["cuda"] = "initialised before Landlock"
+        except Exception as e:  # noqa: BLE001 - no usable GPU here: the candidate's own calls will say so
+            got["cuda"] = f"not initialised: {type(e).__name__}"
     got.update(landlock([scratch, cache, "/dev/shm"], dev))
     return got
 
@@ -555,9 +577,9 @@ def reaper(conn_fd: int, ctl_fd: int, scratch: str) -> None:
             os.close(out_w)
             os.close(err_w)
             os.setsid()
-            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            pdeathsig = prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() == me:
-                Server(Connection(conn_fd), scratch).serve()
+                Server(Connection(conn_fd), scratch, pdeathsig).serve()
         except BaseException:  # noqa: BLE001 - the server's own failure, into the log
             import traceback
 
@@ -633,8 +655,8 @@ def _remove(folder: str) -> None:
 class Server:
     """The candidate's side: loads it as asked, then calls it as asked, one message at a time."""
 
-    def __init__(self, conn, scratch: str):
-        self.conn, self.scratch = conn, scratch
+    def __init__(self, conn, scratch: str, pdeathsig: bool = False):
+        self.conn, self.scratch, self.pdeathsig = conn, scratch, pdeathsig
         self.fn = None
         self.state = None  # the trusted side's global-state helpers (candidates/globalstate.py), run from source
         self.held = {}  # key -> the storage standing for one of the trusted side's (a CPU copy, or a CUDA mapping)
@@ -647,15 +669,15 @@ class Server:
         import faulthandler
 
         faulthandler.enable()  # a segfault's Python stack, through the reaper into the harness's log
-        platform = confine(self.scratch, hello["cache"])
+        platform = dict(confine(self.scratch, hello["cache"]), pdeathsig=self.pdeathsig)
         sys.path[:0] = [p for p in hello.get("sys_path", []) if isinstance(p, str) and p not in sys.path]
         sys.dont_write_bytecode = True
         import numpy
         import torch
 
         self.torch, self.numpy = torch, numpy  # numpy for bytes: a torch op on a uint8 view wakes its thread pool
-        for name in hello.get("preload", []):  # torch's subsystems loaded where the candidate would have run
-            if name in ("torch._dynamo", "torch._inductor"):
+        for name in hello.get("preload", []):  # what the trusted side times calls with loaded (client.timed_calls)
+            if name == "torch._inductor.config":
                 importlib.import_module(name)
         self.names = dtypes(torch)
         ns = {"__name__": "_torch_state"}
@@ -788,6 +810,7 @@ class Server:
             key, n, dev = json.dumps(d["key"]), _int(d["n"]), torch.device(d["dev"])
             if d["via"] == "ipc":  # a staging buffer of the trusted side's, mapped once and kept while it is
                 a = d["ipc"]
+                torch.cuda._lazy_init()  # as torch's own rebuild_cuda_tensor does first
                 st = torch.UntypedStorage._new_shared_cuda(
                     a["device"], bytes.fromhex(a["handle"]), a["size"], a["offset"], bytes.fromhex(a["ref"]),
                     a["ref_offset"], bytes.fromhex(a["event"]) if a.get("event") else None, a["event_sync"])
@@ -835,18 +858,23 @@ class Server:
         try:
             ret = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
-            reply = {"ok": False, "stage": "call", "error": error_info(e), "state": self.state_changes(before)}
+            reply, bufs = {"ok": False, "stage": "call", "error": error_info(e)}, []
             del e
-            self.sync()
-            reply["changed"], bufs = self.changed_inputs(stores, copy=False)
+            try:
+                reply["state"] = self.state_changes(before)
+                self.sync()
+                reply["changed"], bufs = self.changed_inputs(stores, copy=False)
+            except Exception:  # noqa: BLE001 - a CUDA context the candidate broke: its error is all there is to say
+                reply["state"], reply["changed"], bufs = {}, [], []
             return self.reply(reply, bufs)
-        reply = {"ok": True, "state": self.state_changes(before)}
-        reply["hooks"] = [[i, "class" if a[0] is not b[0] else "hooks"]
-                          for i, (a, b) in enumerate(zip(hooks, [_hooks(t) for t in args_t])) if a != b]
+        reply = {"ok": True}
         out_tensors = []
         try:
+            reply["state"] = self.state_changes(before)
+            reply["hooks"] = [[i, "class" if a[0] is not b[0] else "hooks"]
+                              for i, (a, b) in enumerate(zip(hooks, [_hooks(t) for t in args_t])) if a != b]
             reply["ret"] = pack(torch, ret, out_tensors)
-            self.sync()
+            self.sync()  # an asynchronous kernel error surfaces here, and is the call's
             # With a watch, what goes back is copied at return, and whether it changed `watch` seconds later is said
             reply["changed"], bufs = self.changed_inputs(stores, copy=watch > 0)
             reply["out_storages"], reply["out_tensors"], more = self.pack_outputs(out_tensors, stores, watch > 0)
@@ -857,13 +885,16 @@ class Server:
                 late = [i for i, (t, c) in enumerate(zip(out_tensors + args_t, seen)) if not _same(torch, t, c)]
                 n = len(out_tensors)
                 reply["late"] = [["ret", i] if i < n else ["arg", i - n] for i in late]
-        except Exception as e:  # noqa: BLE001 - outputs this side cannot describe (a tensor without storage)
-            return self.reply({"ok": False, "stage": "outputs", "error": error_info(e), "state": reply["state"],
-                               "changed": []})
+        except Exception as e:  # noqa: BLE001 - a CUDA error, or outputs this side cannot describe (no storage)
+            return self.reply({"ok": False, "stage": "outputs", "error": error_info(e),
+                               "state": reply.get("state") or {}, "changed": []})
         del ret, out_tensors
         self.reply(reply, bufs + more)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()  # output blocks the trusted side has let go of
+            try:
+                torch.cuda.ipc_collect()  # output blocks the trusted side has let go of
+            except Exception:  # noqa: BLE001 - said at the next call, if it matters
+                pass
 
     def sync(self, everything: bool = False):
         """The candidate's work on this process's current stream (every stream: `everything`) finished, so what
@@ -908,11 +939,14 @@ class Server:
                     n = end - start
                     entry = {"n": n, "dev": str(st.device), "token": self.token(st), "start": start}
                     if st.device.type == "cuda" and n and not self.cuda_copy:
-                        if copy:  # a copy of the span, shared in its place (CUDA IPC keeps it alive until released)
+                        try:
+                            if copy:
+                                raise RuntimeError("a copy at return")
+                            a = st._share_cuda_()
+                        except RuntimeError:  # a copy of the span shared in its place (memory not torch's own to
+                            # share, or the values at return); CUDA IPC keeps it alive until the trusted side is done
                             shared, entry["start"] = u8(torch, st, start, n).clone().untyped_storage(), 0
-                        else:
-                            shared = st
-                        a = shared._share_cuda_()
+                            a = shared._share_cuda_()
                         entry.update(via="ipc", ipc={"device": a[0], "handle": a[1].hex(), "size": a[2],
                                                      "offset": a[3], "ref": a[4].hex(), "ref_offset": a[5],
                                                      "event": a[6].hex() if a[6] else None, "event_sync": bool(a[7])})

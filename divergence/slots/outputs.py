@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..detect import bitwise
+from . import bitwise
 from ..errors import OutputError
 
 OVERWRITTEN = ("its outputs live in a buffer its next call overwrites (CUDA graphs: torch.compile mode "

@@ -7,7 +7,7 @@ import contextlib
 import lightning.pytorch as pl
 import torch
 
-from ..detect import bitwise
+from ..slots import bitwise
 from ..errors import OutputError
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs

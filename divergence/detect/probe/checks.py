@@ -11,7 +11,7 @@ import math
 import torch
 
 from ...errors import UserError
-from .. import bitwise
+from ...slots import bitwise
 from ..rule import allowed, rel_error as _rel
 from ...slots.contract import Contract
 

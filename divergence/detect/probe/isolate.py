@@ -43,7 +43,7 @@ from ... import gpu as G
 from ...candidates import globalstate
 from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
 from ...errors import CandidateError
-from .. import bitwise
+from ...slots import bitwise
 from . import checks
 
 
@@ -196,6 +196,11 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None, 
     _become_worker(log_path, device)
     from ...slots import SLOTS
     from . import call  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
+
+    if names:  # families to time: no first-use import inside them (sandbox/client.timed_calls)
+        from ...sandbox.client import timed_calls
+
+        timed_calls()
 
     loaded = _load(conn, slot, spec, device, fams, names, rebuild)
     if loaded is None:

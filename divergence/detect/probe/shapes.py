@@ -85,7 +85,7 @@ def _embed_declared(shapes: dict, device: str, text) -> list:
         e("zipf-0.8", fam_inputs._zipf(0.8), 4, mid // 4, H, V),
         e("zipf-1.1", z, 4, mid // 4, H, V, deep=True),
         e("zipf-1.4", fam_inputs._zipf(1.4), 4, mid // 4, H, V),
-        e("one-id", fam_inputs.one_id, 2, mid // 2, H, V),
+        e("one-id", fam_inputs.one_id, 4, mid // 4, H, V),  # the distribution families' shape: a compiled kernel compiles once for them
         e("one-token", fam_inputs.uniform_ids, 1, 1, H, V),
         e("batch-1", z, 1, 64, H, V),
     ]
