@@ -62,7 +62,7 @@ soak:
 bench:
 	$(PY) benchmarks/bench.py $(ARGS)
 
-# The probe's calibration table (issue 17): calibration members caught by their named family, good ones passed.
+# The probe's calibration table: calibration members caught by their named family, good ones passed.
 probe-calibration:
 	$(PY) benchmarks/probe_calibration.py $(ARGS)
 

@@ -1,4 +1,4 @@
-"""`python benchmarks/probe_calibration.py` (`make probe-calibration`): the probe's calibration table (issue 17).
+"""`python benchmarks/probe_calibration.py` (`make probe-calibration`): the probe's calibration table.
 
 Every calibration member of the zoo (a `probe_family` in its catalogue entry: wrong only at magnitudes the synthetic
 families never reach) is probed twice on one seed: on the synthetic families alone (inputs.py: it must PASS) and on

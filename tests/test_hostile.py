@@ -1,4 +1,4 @@
-"""The hostile battery (issue 16): candidates that crash, hang, segfault, write NaN, corrupt after a warm-up,
+"""The hostile battery: candidates that crash, hang, segfault, write NaN, corrupt after a warm-up,
 write after returning, cache by address, copy the reference's answer out of memory, or change torch's global state.
 Each gets the verdict it must get, in one line with no traceback, from the probe (its worker process and watchdog,
 divergence/probe/isolate.py), the lockstep check or the A/B; what cannot be caught where is said in README.md.
@@ -370,8 +370,8 @@ def test_the_worker_of_a_killed_probe_does_not_outlive_it(tmp_path, process_stat
 
 @pytest.mark.gpu
 def test_a_cuda_error_in_one_family_leaves_the_others_to_a_fresh_worker(tmp_path):
-    """A device-side assert poisons the worker's CUDA context: that family's finding, then a fresh worker (before
-    issue 16 the probe stopped there: "later families not run")."""
+    """A device-side assert poisons the worker's CUDA context: that family's finding, then a fresh worker (a probe
+    that stopped there would say "later families not run")."""
     spec = tmp_path / "oob.py"
     spec.write_text("import torch\nfrom divergence.slots.swiglu import reference\ndef run(gate, up):\n"
                     "    if gate.shape[0] == 37:\n"

@@ -1,4 +1,4 @@
-"""The preflight probe (issue 6): every known-bad zoo member gets a finding of the kind its catalogue entry names,
+"""The preflight probe: every known-bad zoo member gets a finding of the kind its catalogue entry names,
 every known-good member, the reference and the nulls pass (on two seeds for the good ones), a candidate that raises
 is a finding and not a crash, and the CLI prints the seed, the table and a verdict with exit codes 0/1/2.
 
@@ -48,7 +48,7 @@ EXPECTED = {
     "swiglu_late_write": dict(checks={"late_write"}, shows=set(), hides=set()),
     "swiglu_global_state": dict(checks={"global_state"}, shows=set(), hides=set()),
 }
-# The probe's calibration members (issue 17): each wrong only where a magnitude sweep or a captured family reaches;
+# The probe's calibration members: each wrong only where a magnitude sweep or a captured family reaches;
 # tests/test_probe_families.py pins the family that catches each.
 EXPECTED.update({n: dict(checks=set(), shows=set(), hides=set(), any_of={"error", "row_error", "nonfinite"})
                  for n, e in ZOO.items() if getattr(e, "probe_family", None)})

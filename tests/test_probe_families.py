@@ -1,4 +1,4 @@
-"""The probe feeds what training feeds (issue 17): inputs captured from a live training run, cached so the second
+"""The probe feeds what training feeds: inputs captured from a live training run, cached so the second
 probe costs no training, and magnitude sweeps of every float input; calibrated against zoo members that are wrong
 only at magnitudes the synthetic families never reach (each caught by the family its catalogue entry names, and
 passed by the synthetic families), while every known-good member, the reference and the nulls pass the lot

@@ -1,4 +1,4 @@
-"""Production shapes (issue 15): SOL-ExecBench definitions (loading, finding, mapping, every refusal, the reference
+"""Production shapes: SOL-ExecBench definitions (loading, finding, mapping, every refusal, the reference
 cross-check), declared shapes reaching the probe and the A/B model, the generality note, NEEDS-SHAPES, the NaN /
 untrained reference message, both solution-file forms, and the config.json recipes.
 

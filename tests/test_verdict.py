@@ -1,4 +1,4 @@
-"""The verdict (issue 19): every signal counts, no pass by accident, a rule whose calibration is checked on every
+"""The verdict: every signal counts, no pass by accident, a rule whose calibration is checked on every
 run, and strict JSON everywhere."""
 import json
 import math

@@ -118,7 +118,7 @@ def test_the_verdict_is_in_every_summary(results, runs):
     s = runs["experiment"]["summary"]
     assert s["verdict"] == v["verdict"] and s["verdict/sgd"] == ov["verdict"]
     assert s.get("verdict_summary") == v.get("summary")
-    for name, sig in v["signals"].items():  # every signal with its word and reason (issue 19)
+    for name, sig in v["signals"].items():  # every signal with its word and reason
         assert s[f"signal/{name}"] == sig["verdict"] and s[f"signal/{name}_reason"] == sig["reason"]
     assert s["exit_code"] == v["exit_code"]
     files = runs["experiment"]["dir"] / "files"

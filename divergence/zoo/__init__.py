@@ -22,7 +22,7 @@ class ZooEntry:
     models: str  # the failure it models (or the legitimate variation, for a good one)
     caught_by: str  # the check expected to catch it ('' for a good one)
     gpu_only: bool = False  # needs CUDA (a Triton or CUDA C++ kernel); skipped on CPU
-    # Calibration members (issue 17): the probe family that must catch it, while the synthetic families
+    # Calibration members: the probe family that must catch it, while the synthetic families
     # (probe/inputs.py) pass it: each is wrong only at magnitudes those never reach.
     probe_family: str = ""
 
@@ -93,7 +93,7 @@ ZOO: dict = {
     "rope_table_thetas": ZooEntry(
         "rope", "bad", "cos/sin from a table precomputed for theta=10000, silently used for any other theta",
         "op-level check at the recipe's theta (e.g. 500000); invisible at theta 10000"),
-    # ---- calibration (issue 17): right at the synthetic families' magnitudes, wrong at training's ----
+    # ---- calibration: right at the synthetic families' magnitudes, wrong at training's ----
     "embed_skip_tiny": ZooEntry(
         "fused_embed_rmsnorm", "bad", "skips per-token gradient elements below 1e-6 (to save atomics)",
         "op-level error at small upstream gradients (magnitude sweep)", probe_family="scale:grad_output=1e-4"),

@@ -1,5 +1,5 @@
 """Captured families: every slot's live inputs from a short reference training run of a recipe's model, at a few
-steps spread over training (issue 17). Synthetic families feed what a contract's author imagined; these feed what
+steps spread over training. Synthetic families feed what a contract's author imagined; these feed what
 training feeds: upstream gradients that shrink as the loss falls, activations with the model's own outliers, the
 training precision's dtypes.
 

@@ -1,5 +1,5 @@
 """Magnitude sweeps: every float input of every slot scaled from 1e-8 to 1e4 times the contract's scale, one input
-at a time and all together, in fp32 and in bf16 where the contract lets the dtype vary (issue 17).
+at a time and all together, in fp32 and in bf16 where the contract lets the dtype vary.
 
 Training reaches magnitudes the contract's inputs never show: upstream gradients of 1e-6 and below once the loss
 falls, normalisation inputs whose mean square is the size of eps, logits and scores past where exp overflows.
