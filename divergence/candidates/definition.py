@@ -62,7 +62,11 @@ class Definition:
 
     def const_axes(self) -> dict:
         """Every axis with a known size: the const ones and the expressions over them."""
-        known = {k: a["value"] for k, a in self.axes.items() if a["type"] == "const"}
+        return self.sizes({k: a["value"] for k, a in self.axes.items() if a["type"] == "const"})
+
+    def sizes(self, known: dict) -> dict:
+        """`known` ({axis: size}) with every expression axis that it determines added."""
+        known = dict(known)
         for _ in range(len(self.axes)):  # expressions may refer to other expressions
             for k, a in self.axes.items():
                 if a["type"] == "expr" and k not in known:
@@ -337,13 +341,7 @@ def workload_shapes(defn: Definition, slot: str) -> list:
     assert problem is None, problem
     out = []
     for w in defn.workloads:
-        known = {**defn.const_axes(), **w}
-        for _ in range(len(defn.axes)):
-            for k, a in defn.axes.items():
-                if a["type"] == "expr" and k not in known:
-                    v = _eval(a["expression"], known)
-                    if v is not None:
-                        known[k] = v
+        known = defn.sizes({**defn.const_axes(), **w})
         out.append({**declared, **{a: known[d] for d, a in bound.items() if d in known}})
     return out
 
