@@ -50,16 +50,21 @@ def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
     here = out.parent / "on-gpu"
     here.mkdir(exist_ok=True)
     me = out.name
-    (here / me).write_text(str(w["peak"]))
+    (here / me).write_text(str(w["peak"] + w.get("hidden", 0)))
     t0 = time.time()
     shared = bool(_others_on_gpu(here, me))
+    over = held(out.parent) > TOTAL
     write_json(out / memory.MEMORY_FILE, {"peak_reserved_bytes": w["peak"]})
-    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    row = False
     while time.time() - t0 < w["run_s"]:
+        if not row and time.time() - t0 >= w.get("row_s", 0):
+            (out / "metrics.jsonl").write_text('{"step": 0}\n')
+            row = True
         shared = shared or bool(_others_on_gpu(here, me))
+        over = over or held(out.parent) > TOTAL
         time.sleep(0.02)
     shared = shared or bool(_others_on_gpu(here, me))
-    oom = w["oom"].get(me)
+    oom = "always" if over else w["oom"].get(me)
     with open(out.parent / "events.jsonl", "a") as f:
         f.write(json.dumps({"arm": me, "start": t0, "end": time.time(), "shared": shared}) + "\n")
     (here / me).unlink()
@@ -92,9 +97,10 @@ def at_once(tmp_path: Path) -> int:
     return max(sum(e["start"] <= x["start"] < e["end"] for e in ev) for x in ev)
 
 
-def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None):
+def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None, hidden=0, row_s=0.0):
     monkeypatch.setattr(runner, "_child", fake_arm)
-    (tmp_path / "world.json").write_text(json.dumps({"peak": peak, "run_s": run_s, "oom": oom or {}}))
+    (tmp_path / "world.json").write_text(json.dumps({"peak": peak, "run_s": run_s, "oom": oom or {}, "hidden": hidden,
+                                                     "row_s": row_s}))
     return load_recipe("tiny")
 
 
@@ -108,6 +114,22 @@ def test_arms_per_gpu_follow_the_measured_peak_under_the_cap(tmp_path, monkeypat
                           placer=gpus(tmp_path, cap))
     assert {st["status"] for st in res.values()} == {"OK"}
     assert at_once(tmp_path) == want
+
+
+def test_what_a_process_holds_beyond_its_record_is_measured_on_the_gpu(tmp_path, monkeypatch):
+    """Arms whose allocators record 10 GiB but which hold 22 GiB on the GPU (a second process's context and memory,
+    as a candidate arm's kernel server): sized by the record and a 1 GiB context, five would start at once on an
+    80 GiB card and run out of memory (5 x 22 GiB); measured on the GPU while the first ran alone, three fit and
+    none runs out."""
+    said = []
+    recipe = setup(tmp_path, monkeypatch, 10 * GiB, run_s=3.0, hidden=12 * GiB, row_s=1.5)
+    placer = gpus(tmp_path, 6, said=said)
+    res = runner.run_jobs(recipe, arms(tmp_path, [f"null-{k}" for k in range(1, 7)]), None, "cpu", 6, placer=placer)
+    assert {st["status"] for st in res.values()} == {"OK"}, res
+    assert not [line for line in said if "out of GPU memory" in line], said
+    assert placer.context == 12 * GiB
+    assert any("12.00 GiB beyond its allocator" in line for line in said), said
+    assert at_once(tmp_path) == 3
 
 
 def test_an_arm_out_of_memory_beside_others_trains_again_alone(tmp_path, monkeypatch):

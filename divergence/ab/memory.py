@@ -2,19 +2,24 @@
 `auto`: AUTO_PER_GPU). On the CPU nothing here applies: `ab.workers` arms at once in all (`auto`: one per
 `train.threads` cores, at most 4).
 
-What an arm needs is measured, not guessed: each CUDA arm writes the peak of the GPU memory PyTorch reserved for it
-to MEMORY_FILE in its folder as it grows (watch_arm), and an arm's kind (its optimizer; reference, null or
+What an arm needs is measured, not guessed: each CUDA arm writes the peak of the GPU memory its processes' allocators
+reserved (its own and its kernel servers') to MEMORY_FILE in its folder as it grows (watch_arm); to that, each of its
+processes adds what it holds outside its allocator (its CUDA context, cuBLAS workspaces, loaded kernels), which the
+Placer measures on the GPU while an arm runs alone there (observe). An arm's kind (its optimizer; reference, null or
 candidate) counts as measured once an arm of that kind has written its first metrics row (its first steps, an
-evaluation and a snapshot behind it) or ended. Until then one arm of the kind runs at a time, sized by the largest
-need known (or by a record of an earlier run: ab/share.py hands the arms cache's records on as Job.memory_record);
-where nothing at all is known, an arm waits until none of this run's arms is on its GPU. Another arm starts on a
-GPU when its need, what the arms already there have yet to take (their need less what they hold now) and a margin
-fit in the GPU's free memory as the driver reports it now, every process's use counted.
+evaluation and a snapshot behind it) or ended, and its measure follows its arms' records as they grow. Until then
+one arm of the kind runs at a time, sized by the largest need known (or by a record of an earlier run: ab/share.py
+hands the arms cache's records on as Job.memory_record); where nothing at all is known, an arm waits until none of
+this run's arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to
+take (their need less what they hold now) and a margin fit in the GPU's free memory as the driver reports it now,
+every process's use counted.
 
 Seen with a fixed `ab.workers: 3` (one H100 80 GiB, `h200-shapes` at 4096 x 65,536): every cell ERROR, one null arm
 out of memory while the others held 32-35 GiB each. The same recipe's arms recorded an allocated peak
-(arm.json peak_memory_gib) of 13.9-19.7 GiB on an H200 (docs/production-shapes.md): what a process holds is PyTorch's reserved
-memory plus its context, so that, not the allocated peak, is an arm's need here.
+(arm.json peak_memory_gib) of 13.9-19.7 GiB on an H200 (docs/production-shapes.md). Sized by the arm's own reserved
+peak plus a fixed 1 GiB, the first arms beside the reference still ran out of memory on an H100 (each then trained
+again alone, serialising the soak): a candidate arm's kernel server is a second process with its own context and
+allocator, which that figure left out.
 
 An arm that runs out of GPU memory all the same while it shared its GPU trains again, alone (Job.alone): once this
 run's other arms on that GPU have ended and the GPU's lock (divergence/gpu.py) is held exclusively, so no other
@@ -33,18 +38,20 @@ from typing import Callable, Optional
 
 from .. import gpu as G
 
-MEMORY_FILE = "gpu_memory.json"  # {"peak_reserved_bytes": N}, in an arm's folder
+MEMORY_FILE = "gpu_memory.json"  # {"peak_reserved_bytes": N, "processes": n}, in an arm's folder
 # Arms at once per GPU under `ab.workers: auto`: the `h200` recipe's measured best (6, not 4, took its default A/B
 # from 133 to 110-120 s on one H200, docs/performance.md); more at once were not measured faster, and each is a process
 # beside the probe on the host's cores.
 AUTO_PER_GPU = 6
 AUTO_CPU_MAX = 4  # CPU arms at once under `auto`: one per train.threads cores, at most this many
-# What an arm holds outside PyTorch's allocator: its CUDA context, cuBLAS handles and the loaded kernels' code. Not
-# measured (the driver shows a process's whole use only through NVML, which this package does not require): a
-# round figure above a CUDA context's few hundred MiB, and the margin below absorbs an error in it.
+# What a process holds outside PyTorch's allocator (its CUDA context, cuBLAS handles, the loaded kernels' code) until
+# it is measured: the Placer measures it on the GPU itself while an arm runs alone there (Placer.observe), since the
+# driver shows a process's whole use only through NVML, which this package does not require. A round figure above a
+# CUDA context's few hundred MiB; the measure replaces it only where larger.
 CONTEXT_BYTES = 1 << 30
 MARGIN = 0.05  # of the GPU's memory, kept free beyond every arm's need: 4 GiB of an 80 GiB card
 SAMPLE_S = 1.0  # how often an arm looks at its own peak
+OBSERVE_S = 0.5  # how often the Placer reads a GPU's free memory while one arm runs alone there
 
 
 def per_gpu(recipe, device: str = "cuda") -> int:
@@ -65,19 +72,29 @@ def kind(job) -> tuple:
     return spec.optimizer, "candidate" if spec.runs_candidate else spec.name.split("-")[0]
 
 
-def read_record(folder) -> Optional[int]:
-    """The peak an arm folder's MEMORY_FILE records, plus CONTEXT_BYTES: that arm's need; None where there is none."""
+def _record(folder) -> Optional[tuple]:
+    """(peak reserved bytes, processes) an arm folder's MEMORY_FILE records; None where there is none yet."""
     try:
-        peak = json.loads((Path(folder) / MEMORY_FILE).read_text())["peak_reserved_bytes"]
-    except (OSError, ValueError, KeyError, TypeError):
+        rec = json.loads((Path(folder) / MEMORY_FILE).read_text())
+        peak, procs = int(rec["peak_reserved_bytes"]), int(rec.get("processes", 1))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return int(peak) + CONTEXT_BYTES
+    return peak, max(1, procs)
+
+
+def read_record(folder, context: int = CONTEXT_BYTES) -> Optional[int]:
+    """An arm's need as its folder records it: the peak its processes' allocators reserved, plus `context` per
+    process (the arm's, its kernel servers'); None where there is no record yet."""
+    rec = _record(folder)
+    return None if rec is None else rec[0] + context * rec[1]
 
 
 def watch_arm(out_dir) -> None:
     """In an arm's process: a daemon thread that writes the arm's peak of PyTorch-reserved GPU memory to MEMORY_FILE
-    whenever it grows. It never starts CUDA itself (the arm does, if it trains on a GPU; a CPU arm writes nothing)
-    and makes no CUDA call (the allocator's counters only), so it cannot disturb a CUDA graph's capture."""
+    whenever it grows: its own allocator's and its kernel servers' (each a process with its own allocator and
+    context: their replies carry their peaks, sandbox/client.py), with how many processes hold them. It never starts
+    CUDA itself (the arm does, if it trains on a GPU; a CPU arm writes nothing) and makes no CUDA call (the
+    allocator's counters only), so it cannot disturb a CUDA graph's capture."""
     from ..train.metrics import write_json
 
     path = Path(out_dir) / MEMORY_FILE
@@ -85,15 +102,21 @@ def watch_arm(out_dir) -> None:
     def loop():
         import torch
 
-        seen = 0
+        from ..sandbox.client import gpu_reserved
+
+        seen = (0, 0)
         while True:
             time.sleep(SAMPLE_S)
             if not torch.cuda.is_initialized():
                 continue
-            peak = torch.cuda.max_memory_reserved(0)  # the arm sees one GPU, as cuda:0
-            if peak > seen:
-                seen = peak
-                write_json(path, {"peak_reserved_bytes": int(peak)})
+            try:
+                theirs, servers = gpu_reserved()
+            except RuntimeError:  # the set of servers changed while read: next time
+                continue
+            now = (int(torch.cuda.max_memory_reserved(0)) + theirs, 1 + servers)  # the arm sees one GPU, as cuda:0
+            if now[0] > seen[0] or now[1] > seen[1]:
+                seen = (max(now[0], seen[0]), max(now[1], seen[1]))
+                write_json(path, {"peak_reserved_bytes": seen[0], "processes": seen[1]})
 
     threading.Thread(target=loop, name="gpu-memory", daemon=True).start()
 
@@ -126,6 +149,10 @@ class Placer:
         self.measured = {}  # kind -> bytes one arm of it needs
         self.claims = {}  # job key of an arm waiting to run alone -> (GPU index, since)
         self.where = {}  # job key -> GPU index it was last started on
+        self.context = CONTEXT_BYTES  # per process, outside its allocator: measured by observe() where larger
+        self.base = [None for _ in self.gpus]  # per GPU: its use while none of this run's arms was on it
+        self._steady = {}  # job key -> its record at the last observation (equal twice: the arm holds steady)
+        self._observed_at = 0.0
 
     @classmethod
     def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
@@ -141,10 +168,46 @@ class Placer:
                     self._learn(job)
 
     def _learn(self, job) -> None:
-        need = read_record(job.out_dir)
+        need = read_record(job.out_dir, self.context)
         if need is not None:
             k = kind(job)
             self.measured[k] = max(self.measured.get(k, 0), need)
+
+    def observe(self) -> None:
+        """What a process holds beyond its allocator's record, measured on the GPU: while one arm of this run is
+        alone on a GPU and its record holds steady, the GPU's use less its use before (`base`) and less the record,
+        per process of the arm, is that overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel
+        server's); where larger than `context`, it becomes `context` and every kind's measure grows with it.
+        Anything else that grew on the GPU meanwhile (a background probe, another user's work) counts as the
+        arm's: too much here starts fewer arms at once, too little runs one out of memory."""
+        now = time.monotonic()
+        if now - self._observed_at < OBSERVE_S:
+            return
+        self._observed_at = now
+        for live in self.live:  # a kind's measure follows its arms' records as they grow (an evaluation, a snapshot)
+            for job, _ in live.values():
+                if kind(job) in self.measured:
+                    self._learn(job)
+        for i, live in enumerate(self.live):
+            if not live:
+                free, total = self.query(i)
+                self.base[i] = total - free
+                continue
+            if len(live) != 1 or self.base[i] is None:
+                continue
+            (job, _), = live.values()
+            rec, before = _record(job.out_dir), self._steady.get(job.key)
+            self._steady[job.key] = rec
+            if rec is None or rec != before:
+                continue
+            free, total = self.query(i)
+            extra = (total - free - self.base[i] - rec[0]) // rec[1]
+            if extra > self.context:
+                self.say(f"  GPU {self.gpus[i]}: a process holds {G.gib(extra)} beyond its allocator (measured while "
+                         f"{job.key} ran alone there); arms are sized with it", flush=True)
+                grown = extra - self.context
+                self.context = extra
+                self.measured = {k: v + grown for k, v in self.measured.items()}
 
     def need(self, job) -> Optional[int]:
         """Bytes `job` needs: its kind's measure, else the largest need known (its record of an earlier run among
@@ -157,7 +220,7 @@ class Placer:
     def _yet_to_take(self, job) -> int:
         """What a running arm will still take beyond what it holds now (nothing held: not started on CUDA yet)."""
         need = self.need(job) or 0
-        held = read_record(job.out_dir) or 0
+        held = read_record(job.out_dir, self.context) or 0
         return max(0, need - held)
 
     # -------------------------------------------------------------------------------------------------- deciding
@@ -165,10 +228,12 @@ class Placer:
     def tidy(self) -> None:
         """Forget arms whose process has exited; a GPU none of this run's arms is on any more is let go (a shared
         hold released, so whoever waits to be alone there may go), unless an arm of this run waits to have it."""
+        self.observe()
         claimed = {i for i, _ in self.claims.values()}
         for i, live in enumerate(self.live):
             for key in [k for k, (_, proc) in live.items() if proc is not None and not proc.is_alive()]:
                 del live[key]
+                self._steady.pop(key, None)
             if not live and i not in claimed and self.locks[i].state is not None:
                 self.locks[i].release()
 

@@ -96,6 +96,13 @@ class ServerDied(CandidateError):
         self.how = how
 
 
+def gpu_reserved() -> tuple:
+    """(bytes, servers): the GPU memory peaks this process's live kernel servers reported, summed, and how many of
+    them use a GPU; each is a process of its own with its own CUDA context (ab/memory.watch_arm counts both)."""
+    peaks = [s.reserved for s in list(_LIVE) if not s.closed and s.reserved > 0]
+    return sum(peaks), len(peaks)
+
+
 def describe(how: Optional[str]) -> str:
     """ "signal 11" -> "signal 11 (SIGSEGV)", "exit 4" -> "exit code 4", as the harness words a dead child."""
     from ..candidates.contain import describe_exit
@@ -164,6 +171,7 @@ class KernelServer:
         self.staging: dict = {}  # key -> our GPU staging buffer (CUDA IPC)
         self.mirrors: dict = {}  # token -> weakref to the storage of ours an output buffer of theirs comes back into
         self.cuda = None  # "ipc" or "copy", decided at the first call with GPU tensors
+        self.reserved = 0  # the peak of GPU memory the server's allocator reserved, as its replies say
         self._pool = None
         _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.ctl, self.proc, str(self.scratch))
@@ -256,6 +264,7 @@ class KernelServer:
         self._read = 0
         try:
             h = wire.recv_header(self.conn)
+            self.reserved = max(self.reserved, wire._int(h.get("reserved") or 0))
         except (EOFError, OSError):
             self._lost()
         except (ValueError, RecursionError) as e:

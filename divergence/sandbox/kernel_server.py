@@ -789,6 +789,11 @@ class Server:
             reply["state_tensors"].append({"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape),
                                            "n": t.numel() * t.element_size()})
             bufs.append(memoryview(t.numpy()).cast("B") if t.numel() else b"")
+        torch = self.torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # its allocator's peak, for the trusted side's sizing of arms per GPU (ab/memory.py): a lower figure
+            # than the truth only gets the arm re-run with the GPU to itself, once it runs out
+            reply["reserved"] = int(torch.cuda.max_memory_reserved())
         send(self.conn, reply, bufs)
 
     def cpu_tensor(self, d: dict):
