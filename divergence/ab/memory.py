@@ -102,13 +102,12 @@ def watch_arm(out_dir) -> None:
     def loop():
         import torch
 
-        from ..sandbox.client import gpu_reserved
-
         seen = (0, 0)
         while True:
             time.sleep(SAMPLE_S)
             if not torch.cuda.is_initialized():
                 continue
+            from ..sandbox.client import gpu_reserved  # here, not before: a CPU arm never needs it
             try:
                 theirs, servers = gpu_reserved()
             except RuntimeError:  # the set of servers changed while read: next time
