@@ -43,6 +43,9 @@ EXAMPLES = {
     "report": """\
   divergence report results/my-run                            # report.html again, from the folder's files
   divergence report results/my-run --wandb                    # and log it to wandb (after ab --no-wandb)""",
+    "dashboard": """\
+  divergence dashboard results/my-run                         # after: wandb sync results/my-run/wandb/offline-run-*
+  divergence dashboard results/soak-demo-20260101-120000      # a soak's: its table, a run set per candidate""",
     "probe": """\
   divergence probe --kernel fused_embed_rmsnorm --candidate zoo:triton_embed_fp32
   divergence probe --candidate path/to/solution.json
@@ -229,6 +232,20 @@ def _add_report(sub):
     r.set_defaults(fn=cmd_report)
 
 
+def cmd_dashboard(args) -> int:
+    from .report.dashboard import save_later
+
+    print(f"dashboard: {save_later(args.results_dir)}")
+    return EXIT_PASS
+
+
+def _add_dashboard(sub):
+    d = verb(sub, "dashboard", "save the wandb dashboard (dashboard.json) of an A/B or soak folder logged offline, "
+                               "once `wandb sync` has uploaded its runs")
+    d.add_argument("results_dir", metavar="RESULTS_DIR")
+    d.set_defaults(fn=cmd_dashboard)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="divergence", description=textwrap.fill(DESCRIPTION, 100),
                                  epilog="Examples:\n" + EXAMPLES["divergence"],
@@ -267,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "`definition` name (over the soak file's `definitions:`)")
     k.set_defaults(fn=cmd_soak)
     _add_report(sub)
+    _add_dashboard(sub)
     _add_probe(sub)
     return ap
 

@@ -1,8 +1,9 @@
-"""What `ab` and `soak` hand to the report layer once a verdict is on disk: the report page and the wandb runs.
+"""What `ab` and `soak` hand to the report layer once a verdict is on disk: the report page, the wandb runs and their
+dashboard.
 
 The orchestration layer (ab/) never imports this package; cli.py passes these functions down. Neither the report
-nor wandb can lose a verdict: the report draws what it can, and wandb logging turns any failure (a missing install
-included) into one printed line.
+nor wandb can lose a verdict: the report draws what it can, and wandb logging and the dashboard turn any failure (a
+missing install included) into one printed line.
 """
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ def after_ab(out, args, result: dict = None, files=None, log_wandb: bool = None)
     res = load_results(out, files)  # plan, verdict, arms and the corpus's buckets: once for the page and wandb
     print(f"report: {write_report(out, results=res)}")
     if log_wandb if log_wandb is not None else not getattr(args, "no_wandb", False):
+        from .dashboard import publish
         from .wandb import log_ab
 
-        log_ab(out, result, results=res)
+        r = log_ab(out, result, results=res)
+        if _mark_logged(Path(out), r):  # its runs' ids, for the dashboard now or `divergence dashboard` later
+            publish(out, r, results=res)
 
 
 def log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str, files=None) -> bool:
@@ -35,14 +39,22 @@ def log_cell(cell_dir: Path, result: dict, label: str, seed: int, soak_id: str, 
 
 
 def log_soak_table(out: Path, rows: list, meta: dict) -> bool:
+    """The soak table's run, then the soak's dashboard (dashboard.py: the cells' wandb.json give their runs)."""
+    from .dashboard import publish
     from .wandb import log_soak
 
-    return _mark_logged(out, log_soak(out, rows, meta, group=out.name))
+    r = log_soak(out, rows, meta, group=out.name)
+    logged = _mark_logged(out, r)
+    if logged:
+        publish(out, r)
+    return logged
 
 
 def _mark_logged(folder: Path, r) -> bool:
-    """wandb.json: logged once; a resume logs again only what it re-ran (no duplicate runs in the project)."""
+    """wandb.json: logged once; a resume logs again only what it re-ran (no duplicate runs in the project). It keeps
+    the runs' ids, project and entity, which the dashboard colours and filters by."""
     if not r or not r["runs"]:
         return False
-    write_json(folder / "wandb.json", {"mode": r["mode"], "group": r["group"], "runs": [str(p) for p in r["runs"]]})
+    write_json(folder / "wandb.json", {"mode": r["mode"], "group": r["group"], "runs": [str(p) for p in r["runs"]],
+                                       **{k: r[k] for k in ("ids", "project", "entity") if k in r}})
     return True

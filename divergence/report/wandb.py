@@ -13,6 +13,7 @@ wandb). Runs (files under `DIR/wandb/`):
 A soak logs each (candidate, seed) cell the same way into one group per candidate (`group`, `name_prefix`, `tags`
 and `config` below), and adds one run (`job_type` = soak) with the whole verdict table (`log_soak`).
 Mode: `WANDB_MODE` when set; else online where an API key is configured, offline otherwise (`wandb sync` later).
+The runs' dashboard (a W&B report of them, built with wandb-workspaces) is dashboard.py's.
 Nothing here raises into the A/B run: a failure prints one line and the verdict stands.
 """
 from __future__ import annotations
@@ -52,7 +53,8 @@ def choose_mode(wandb) -> tuple:
 
 def log_ab(results_dir, result=None, group=None, name_prefix="", tags=(), config=None, files=None,
            results=None):
-    """Log every arm and the experiment; returns {'mode', 'group', 'runs', 'seconds'} or None. Never raises.
+    """Log every arm and the experiment; returns {'mode', 'group', 'runs', 'seconds', 'ids' (run id by
+    '<optimizer>/<arm>' and 'experiment'), 'project', 'entity' ('' offline)} or None. Never raises.
     group (default: the experiment id), name_prefix, tags and config (merged into every run's): a soak's cell.
     files: the run's detect.distances.ArmFiles, whose distances the verdict and the report already computed;
     results: the folder already loaded for the report (its files, its corpus buckets), not read again."""
@@ -125,7 +127,7 @@ def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, conf
     common = dict(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(res.dir), group=group,
                   mode=mode, settings=_settings(wandb))
     base_tags = [v["kernel"], v["candidate"]["name"]] + tags
-    runs = []
+    runs, ids = [], {}
     for opt, arms in res.arms.items():
         for name, arm in arms.items():
             run = wandb.init(job_type=name, name=f"{name_prefix}{opt}/{name}", tags=_tags(base_tags + [opt]),
@@ -133,6 +135,7 @@ def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, conf
             _log_history(run, res, arm)
             run.summary.update(_summary(res, v, arm))
             runs.append(Path(run.dir).parent)
+            ids[f"{opt}/{name}"] = run.id  # the dashboard colours each arm's run by its id (dashboard.py)
             run.finish(exit_code=0 if arm.info.get("status") == "OK" else 1)
     run = wandb.init(job_type="experiment", name=f"{name_prefix}verdict: {v['verdict']}",
                      tags=_tags(base_tags + res.optimizers + [v["verdict"]]),
@@ -143,7 +146,9 @@ def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, conf
     run.summary.update({f"verdict/{o}": x.get("verdict") for o, x in v.get("optimizers", {}).items()})
     run.summary.update(_signal_summary(v))
     runs.append(Path(run.dir).parent)
+    ids["experiment"] = run.id
     url = run.url if mode == "online" else None
+    entity = run.entity or ""  # "" offline: the dashboard's save finds the default entity then
     run.finish()
     dt = time.time() - t0
     if mode == "offline":
@@ -151,7 +156,8 @@ def _log_all(wandb, mode, why, out: Path, result, group, name_prefix, tags, conf
               f"upload later with: wandb sync {res.dir / 'wandb'}/offline-run-*")
     else:
         print(f"wandb: {len(runs)} runs ({mode}, {why}, {dt:.0f} s), group {group}" + (f": {url}" if url else ""))
-    return {"mode": mode, "group": group, "runs": runs, "seconds": dt}
+    return {"mode": mode, "group": group, "runs": runs, "seconds": dt, "ids": ids, "project": common["project"],
+            "entity": entity}
 
 
 def _log_soak(wandb, mode, why, out: Path, rows: list, meta: dict, group: str) -> dict:
@@ -167,10 +173,13 @@ def _log_soak(wandb, mode, why, out: Path, rows: list, meta: dict, group: str) -
     run.log({"soak_table": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])}, step=0)
     run.summary.update({"cells": len(rows), **{f"verdicts/{k}": n for k, n in counts.items()}})
     path = Path(run.dir).parent
+    ids, project, entity = {"soak": run.id}, run.project, run.entity or ""
+    url = run.url if mode == "online" else None
     run.finish()
     dt = time.time() - t0
-    print(f"wandb: soak table ({mode}, {why}, {dt:.0f} s), group {group}")
-    return {"mode": mode, "group": group, "runs": [path], "seconds": dt}
+    print(f"wandb: soak table ({mode}, {why}, {dt:.0f} s), group {group}" + (f": {url}" if url else ""))
+    return {"mode": mode, "group": group, "runs": [path], "seconds": dt, "ids": ids, "project": project,
+            "entity": entity}
 
 
 def _tags(tags) -> list:
