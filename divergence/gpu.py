@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -74,6 +77,87 @@ def alone_oom(text: str, total: Optional[int] = None) -> str:
     return (f"CUDA out of memory {ALONE} (no other divergence arm or probe on it): "
             + (f"tried to allocate {gib(asked)}" if asked else "the size it tried to allocate was not said")
             + f" on a GPU of {gib(total)}")
+
+
+# ------------------------------------------------------------------------------- what a process tree holds
+
+MEMORY_FILE = "gpu_memory.json"  # {"peak_reserved_bytes": N, "processes": n}: an arm's or a probe's, in its folder
+# What a process holds outside PyTorch's allocator (its CUDA context, cuBLAS handles, the loaded kernels' code) until
+# it is measured: the A/B's scheduler measures it on the GPU while an arm runs alone there (ab/memory.Placer), since
+# the driver shows a process's whole use only through NVML, which this package does not require. A round figure
+# above a CUDA context's few hundred MiB; the measure replaces it only where larger.
+CONTEXT_BYTES = 1 << 30
+SAMPLE_S = 1.0  # how often a watched process looks at its own peak
+
+
+def record(folder) -> Optional[tuple]:
+    """(peak reserved bytes, processes) a folder's MEMORY_FILE records; None where there is none yet."""
+    try:
+        rec = json.loads((Path(folder) / MEMORY_FILE).read_text())
+        peak, procs = int(rec["peak_reserved_bytes"]), int(rec.get("processes", 1))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return peak, max(1, procs)
+
+
+def read_record(folder, context: int = CONTEXT_BYTES) -> Optional[int]:
+    """What a folder's MEMORY_FILE says its work needs: the peak its processes' allocators reserved, plus
+    `context` per process (an arm's or probe worker's own, its kernel servers'); None where there is no record."""
+    rec = record(folder)
+    return None if rec is None else rec[0] + context * rec[1]
+
+
+def watch_arm(out_dir) -> None:
+    """In an arm's or a probe worker's process: a daemon thread that writes its peak of PyTorch-reserved GPU memory
+    to MEMORY_FILE in `out_dir` whenever it grows: its own allocator's and its kernel servers' (each a process with
+    its own allocator and context: their replies carry their peaks, sandbox/client.py), with how many processes hold
+    them; never below what the file already says (a probe's later workers write to their first one's). It never
+    starts CUDA itself and makes no CUDA call (the allocator's counters only), so it cannot disturb a CUDA graph's
+    capture."""
+    path = Path(out_dir) / MEMORY_FILE
+
+    def loop():
+        import torch
+
+        seen = record(out_dir) or (0, 0)
+        while True:
+            time.sleep(SAMPLE_S)
+            if not torch.cuda.is_initialized():
+                continue
+            from .sandbox.client import gpu_reserved  # here, not before: a CPU process never needs it
+
+            try:
+                theirs, servers = gpu_reserved()
+            except RuntimeError:  # the set of servers changed while read: next time
+                continue
+            now = (int(torch.cuda.max_memory_reserved(0)) + theirs, 1 + servers)  # it sees one GPU, as cuda:0
+            if now[0] > seen[0] or now[1] > seen[1]:
+                seen = (max(now[0], seen[0]), max(now[1], seen[1]))
+                tmp = path.with_name(f".{path.name}.{os.getpid()}")
+                tmp.write_text(json.dumps({"peak_reserved_bytes": seen[0], "processes": seen[1]}) + "\n")
+                os.replace(tmp, path)
+
+    threading.Thread(target=loop, name="gpu-memory", daemon=True).start()
+
+
+_TENANTS: dict = {}  # token -> (GPU id, folder): this process's probes on a GPU, each with its MEMORY_FILE there
+
+
+@contextmanager
+def tenant(gpu: str, folder):
+    """While inside: work of this process (a probe's workers) is on GPU `gpu` (gpu_id's name), its memory recorded
+    in `folder` (watch_arm): the A/B's scheduler in this process counts what it may yet take (ab/memory.Placer)."""
+    token = object()
+    _TENANTS[token] = (gpu, Path(folder))
+    try:
+        yield
+    finally:
+        _TENANTS.pop(token, None)
+
+
+def tenants(gpu: str) -> list:
+    """The folders of this process's work on GPU `gpu` (tenant)."""
+    return [folder for g, folder in list(_TENANTS.values()) if g == gpu]
 
 
 def mem_get_info(index: int) -> tuple:

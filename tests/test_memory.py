@@ -280,3 +280,33 @@ def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gp
     assert "not judged: out of GPU memory beside other work on the GPU" in res["detail"]
     assert "(waited for up to 0.5 s once in this probe; 12.50 GiB of 80.00 GiB free)" in res["detail"]
     assert probe_signal(res)["verdict"] == "INCONCLUSIVE"
+
+
+def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
+    """A probe of this process on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed
+    before: 40 GiB learned from an earlier probe's record, 5 GiB held by the one running now. With one arm of
+    21 GiB there and 54 GiB free, a second arm of 21 GiB starts only where the probe's growth is not counted."""
+    from divergence.train.metrics import write_json
+
+    def folder(name, peak):
+        d = tmp_path / name
+        d.mkdir()
+        write_json(d / memory.MEMORY_FILE, {"peak_reserved_bytes": peak, "processes": 1})
+        return d
+
+    first, now = folder("probe-1", 39 * GiB), folder("probe-2", 4 * GiB)
+    placer = memory.Placer(["0"], 6, query=lambda i: (TOTAL - 26 * GiB, TOTAL),
+                           lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"))
+    one, two = arms(tmp_path, ["null-1", "null-2"])
+    folder("null-1", 20 * GiB)
+    (tmp_path / "null-1" / "metrics.jsonl").write_text('{"step": 0}\n')
+    placer.started(one, 0, None)
+    placer.tidy()
+    assert placer.decide(two) == (memory.GO, 0)  # no probe on the GPU
+    with G.tenant("sim-0", first):
+        placer._observed_at = 0.0
+        placer.observe()
+    assert placer.probe_need == 40 * GiB
+    with G.tenant("sim-0", now):
+        assert placer.decide(two) == (memory.WAIT, None)
+    assert placer.decide(two) == (memory.GO, 0)

@@ -37,20 +37,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import gpu as G
+from ..gpu import CONTEXT_BYTES, MEMORY_FILE, read_record, record, watch_arm  # noqa: F401 (the arms' side)
 
-MEMORY_FILE = "gpu_memory.json"  # {"peak_reserved_bytes": N, "processes": n}, in an arm's folder
 # Arms at once per GPU under `ab.workers: auto`: the `h200` recipe's measured best (6, not 4, took its default A/B
 # from 133 to 110-120 s on one H200, docs/performance.md); more at once were not measured faster, and each is a process
 # beside the probe on the host's cores.
 AUTO_PER_GPU = 6
 AUTO_CPU_MAX = 4  # CPU arms at once under `auto`: one per train.threads cores, at most this many
-# What a process holds outside PyTorch's allocator (its CUDA context, cuBLAS handles, the loaded kernels' code) until
-# it is measured: the Placer measures it on the GPU itself while an arm runs alone there (Placer.observe), since the
-# driver shows a process's whole use only through NVML, which this package does not require. A round figure above a
-# CUDA context's few hundred MiB; the measure replaces it only where larger.
-CONTEXT_BYTES = 1 << 30
 MARGIN = 0.05  # of the GPU's memory, kept free beyond every arm's need: 4 GiB of an 80 GiB card
-SAMPLE_S = 1.0  # how often an arm looks at its own peak
 OBSERVE_S = 0.5  # how often the Placer reads a GPU's free memory while one arm runs alone there
 
 
@@ -70,54 +64,6 @@ def kind(job) -> tuple:
     """(optimizer, reference | null | candidate): arms of one kind need the same memory."""
     spec = job.spec
     return spec.optimizer, "candidate" if spec.runs_candidate else spec.name.split("-")[0]
-
-
-def _record(folder) -> Optional[tuple]:
-    """(peak reserved bytes, processes) an arm folder's MEMORY_FILE records; None where there is none yet."""
-    try:
-        rec = json.loads((Path(folder) / MEMORY_FILE).read_text())
-        peak, procs = int(rec["peak_reserved_bytes"]), int(rec.get("processes", 1))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return peak, max(1, procs)
-
-
-def read_record(folder, context: int = CONTEXT_BYTES) -> Optional[int]:
-    """An arm's need as its folder records it: the peak its processes' allocators reserved, plus `context` per
-    process (the arm's, its kernel servers'); None where there is no record yet."""
-    rec = _record(folder)
-    return None if rec is None else rec[0] + context * rec[1]
-
-
-def watch_arm(out_dir) -> None:
-    """In an arm's process: a daemon thread that writes the arm's peak of PyTorch-reserved GPU memory to MEMORY_FILE
-    whenever it grows: its own allocator's and its kernel servers' (each a process with its own allocator and
-    context: their replies carry their peaks, sandbox/client.py), with how many processes hold them. It never starts
-    CUDA itself (the arm does, if it trains on a GPU; a CPU arm writes nothing) and makes no CUDA call (the
-    allocator's counters only), so it cannot disturb a CUDA graph's capture."""
-    from ..train.metrics import write_json
-
-    path = Path(out_dir) / MEMORY_FILE
-
-    def loop():
-        import torch
-
-        seen = (0, 0)
-        while True:
-            time.sleep(SAMPLE_S)
-            if not torch.cuda.is_initialized():
-                continue
-            from ..sandbox.client import gpu_reserved  # here, not before: a CPU arm never needs it
-            try:
-                theirs, servers = gpu_reserved()
-            except RuntimeError:  # the set of servers changed while read: next time
-                continue
-            now = (int(torch.cuda.max_memory_reserved(0)) + theirs, 1 + servers)  # the arm sees one GPU, as cuda:0
-            if now[0] > seen[0] or now[1] > seen[1]:
-                seen = (max(now[0], seen[0]), max(now[1], seen[1]))
-                write_json(path, {"peak_reserved_bytes": seen[0], "processes": seen[1]})
-
-    threading.Thread(target=loop, name="gpu-memory", daemon=True).start()
 
 
 def _measured(job) -> bool:
@@ -152,6 +98,7 @@ class Placer:
         self.base = [None for _ in self.gpus]  # per GPU: its use while none of this run's arms was on it
         self._steady = {}  # job key -> its record at the last observation (equal twice: the arm holds steady)
         self._observed_at = 0.0
+        self.probe_need = 0  # the most a probe of this process has needed on a GPU (gpu.tenant), as its record says
 
     @classmethod
     def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
@@ -174,11 +121,11 @@ class Placer:
 
     def observe(self) -> None:
         """What a process holds beyond its allocator's record, measured on the GPU: while one arm of this run is
-        alone on a GPU and its record holds steady, the GPU's use less its use before (`base`) and less the record,
+        alone on a GPU (no probe of this process there either) and its record holds steady, the GPU's use less its use before (`base`) and less the record,
         per process of the arm, is that overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel
         server's); where larger than `context`, it becomes `context` and every kind's measure grows with it.
-        Anything else that grew on the GPU meanwhile (a background probe, another user's work) counts as the
-        arm's: too much here starts fewer arms at once, too little runs one out of memory."""
+        Anything else that grew on the GPU meanwhile (another user's work) counts as the arm's: too much here starts
+        fewer arms at once, too little runs one out of memory. Also learns the most a probe has needed."""
         now = time.monotonic()
         if now - self._observed_at < OBSERVE_S:
             return
@@ -188,6 +135,11 @@ class Placer:
                 if kind(job) in self.measured:
                     self._learn(job)
         for i, live in enumerate(self.live):
+            probes = G.tenants(self.locks[i].gpu)
+            for folder in probes:
+                self.probe_need = max(self.probe_need, read_record(folder, self.context) or 0)
+            if probes:  # its memory would count as the arm's
+                continue
             if not live:
                 free, total = self.query(i)
                 self.base[i] = total - free
@@ -195,7 +147,7 @@ class Placer:
             if len(live) != 1 or self.base[i] is None:
                 continue
             (job, _), = live.values()
-            rec, before = _record(job.out_dir), self._steady.get(job.key)
+            rec, before = record(job.out_dir), self._steady.get(job.key)
             self._steady[job.key] = rec
             if rec is None or rec != before:
                 continue
@@ -221,6 +173,11 @@ class Placer:
         need = self.need(job) or 0
         held = read_record(job.out_dir, self.context) or 0
         return max(0, need - held)
+
+    def _probes_yet_to_take(self, i: int) -> int:
+        """What this process's probes on GPU `i` may still take: the most a probe has needed here, less what each
+        holds now (their sweeps run beside the arms: ab/soak.py, ab/run.py)."""
+        return sum(max(0, self.probe_need - (read_record(f, self.context) or 0)) for f in G.tenants(self.locks[i].gpu))
 
     # -------------------------------------------------------------------------------------------------- deciding
 
@@ -263,7 +220,7 @@ class Placer:
             if need is None:
                 continue
             free, total = self.query(i)
-            coming = sum(self._yet_to_take(j) for j, _ in live.values())
+            coming = sum(self._yet_to_take(j) for j, _ in live.values()) + self._probes_yet_to_take(i)
             if need + coming + MARGIN * total <= free:
                 return GO, i
         return WAIT, None
