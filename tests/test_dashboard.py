@@ -299,3 +299,13 @@ def test_dashboard_saves_the_spec_online_and_prints_its_url(folder, no_session, 
                                                                      "Vmlldzo0Mg")]
     spec = json.loads((folder / dashboard.SPEC).read_text())
     assert spec["id"] == "Vmlldzo0Mg" and spec["project"] == {"name": "divergence-tests", "entityName": "team"}
+
+
+def test_online_runs_get_their_dashboard_saved_and_its_url_printed(folder, capsys, monkeypatch):
+    """What `ab` does after logging online (wandb's upload replaced): the URL printed after the runs'."""
+    monkeypatch.setattr(wr.Report, "save", lambda self, draft=False, clone=False: setattr(self, "id", "Vmlldzo3"))
+    monkeypatch.setattr(wr.Report, "url", property(lambda self: f"https://wandb.test/{self.entity}/{self.id}"))
+    logged = {**json.loads((folder / "wandb.json").read_text()), "mode": "online", "entity": "team"}
+    assert dashboard.publish(folder, logged) == folder / dashboard.SPEC
+    assert capsys.readouterr().out == "wandb: dashboard: https://wandb.test/team/Vmlldzo3\n"
+    assert json.loads((folder / dashboard.SPEC).read_text())["id"] == "Vmlldzo3"
