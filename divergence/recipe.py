@@ -15,7 +15,7 @@ from typing import Optional
 
 import yaml
 
-from .errors import RecipeError
+from .errors import RecipeError, UserError
 from .names import OPTIMIZER_NAMES, SLOT_NAMES
 from .paths import RECIPES_DIR
 
@@ -73,6 +73,9 @@ class ModelConfig:
     attn_softcap: Optional[float] = None  # Gemma-2 attention-logit softcap (50.0 there); None = off
     final_softcap: Optional[float] = None  # Gemma-2 final-logit softcap (30.0 there); None = off
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    # {slot: {input: dtype}}: slots called in a declared problem's dtypes (its definition's), their inputs cast to
+    # them in every arm (slots/registry.Kernels); set by declared shapes' `dtypes`. None: the model's own dtypes
+    slot_dtypes: Optional[dict] = None
     init_std: float = 0.02  # normal init of the linear weights (a tied head is the embedding: embed_init_std)
     # Normal init of the embedding, which feeds an RMSNorm (scale-invariant): SGD moves a row by lr * g against a
     # row norm of embed_init_std * sqrt(d_model), and g itself scales as 1 / embed_init_std (through rstd), so the
@@ -110,6 +113,13 @@ class ModelConfig:
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise RecipeError(f"{_j(where)}{k}: must be positive or null, got {v}")
+        if self.slot_dtypes is not None:
+            from .shapes import check_dtypes
+
+            try:
+                check_dtypes(self.slot_dtypes, f"{_j(where)}slot_dtypes")
+            except UserError as e:
+                raise RecipeError(str(e)) from None
 
     @property
     def head_size(self) -> int:

@@ -24,7 +24,7 @@ from ..train.metrics import write_json
 from ..detect import distances as compare, tripwire, verdict
 from ..detect.buckets import bucket_rows
 from ..detect.probe.run import default_candidate
-from ..detect.probe.shapes import declared_for
+from ..detect.probe.shapes import declared_for, shape_words
 from . import health
 from .compilecache import use_compile_cache
 from .plan import plan_arms
@@ -150,7 +150,7 @@ def _asked(args) -> tuple:
         # `shapes:` fill the axes nothing else declares.
         base = load_recipe(recipe_src, overrides).shapes
         overrides["shapes"] = {**base, **shapes}
-        print(f"declared shapes {', '.join(f'{k}={v}' for k, v in overrides['shapes'].items())} "
+        print(f"declared shapes {shape_words(overrides['shapes'])} "
               f"(from {source})", flush=True)
     return None, slot, cand, recipe_src, None, overrides, defn
 

@@ -390,7 +390,9 @@ def _names(cands: list, metas: list) -> list:
 
 
 def _shape_words(shapes: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(shapes.items()))
+    from ..detect.probe.shapes import shape_words
+
+    return shape_words(dict(sorted(shapes.items())), sep=",")
 
 
 def _print_shapes(cands: list):

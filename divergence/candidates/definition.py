@@ -8,10 +8,13 @@ The public schema (NOTES, "SOL-ExecBench file formats"): `name`, optional `op_ty
 
 Found (`find_definition`) from `--definition FILE`, else a `definition.json` beside the solution, else by the
 solution's `definition` name in a folder (`--definitions DIR` or $DIVERGENCE_DEFINITIONS). Mapped
-(`map_to_slot`) by input and output names (in order), dtypes and ranks, each definition axis standing for one slot
-axis (`Contract.axes`); the constant axes become the declared shapes under the slot's axis names. Every problem
-is a one-line DefinitionError. The mapping is not trusted until the definition's own reference agrees with the
-slot's on the same inputs (probe/crosscheck.py): a wrong mapping never produces a verdict.
+(`map_to_slot`, `mapping`) by input and output names (in order), dtypes and ranks, each definition axis standing
+for one slot axis (`Contract.axes`): onto a slot's own contract, or onto a problem family's signature, which an
+adapter joins to its slot (slots/problems.py); the constant axes become the declared shapes under the slot's axis
+names, and through an adapter the definition's dtypes become the dtypes the slot is called in. Every problem is a
+one-line DefinitionError. The mapping is not trusted until the definition's own reference agrees with the slot's on
+the same inputs (probe/crosscheck.py), which also reads the constants a problem bakes in: a wrong mapping never
+produces a verdict.
 """
 from __future__ import annotations
 
@@ -332,18 +335,32 @@ def mapping_problem(defn: Definition, contract) -> tuple:
     return problem, declared
 
 
+@dataclass(frozen=True)
+class Mapping:
+    slot: str
+    declared: dict  # {slot axis: size}, and through an adapter {"dtypes": {slot: {input: dtype}}}
+    problem: Optional[str] = None  # the problem family whose adapter joins it to the slot (slots/problems.py)
+    bound: dict = None  # {definition axis: slot axis}
+
+
 def workload_shapes(defn: Definition, slot: str) -> list:
     """Each of the definition's workloads as slot shapes ({slot axis: size}, its constant axes included), in
     file order; [] where it has no workload file. The definition must map onto `slot` (map_to_slot first)."""
-    from ..slots import SLOTS
-
-    problem, declared, bound = _map(defn, SLOTS[slot])
-    assert problem is None, problem
+    m = mapping(defn, slot)
     out = []
+    axes = {k: v for k, v in m.declared.items() if k != "dtypes"}
     for w in defn.workloads:
         known = defn.sizes({**defn.const_axes(), **w})
-        out.append({**declared, **{a: known[d] for d, a in bound.items() if d in known}})
+        out.append({**axes, **{a: known[d] for d, a in m.bound.items() if d in known}})
     return out
+
+
+def _dtype_ok(dtype: str, allowed) -> bool:
+    return dtype in allowed if isinstance(allowed, tuple) else dtype == allowed
+
+
+def _dtype_words(allowed) -> str:
+    return f"one of {', '.join(allowed)}" if isinstance(allowed, tuple) else allowed
 
 
 def _map(defn: Definition, contract) -> tuple:
@@ -360,8 +377,8 @@ def _map(defn: Definition, contract) -> tuple:
     for kind, tensors in (("input", defn.inputs), ("output", defn.outputs)):
         for n, t in tensors.items():
             dtype, axes = contract.axes[n]
-            if t.dtype != dtype:
-                return f"{kind} {n} is {t.dtype}, the slot's is {dtype}", {}, {}
+            if not _dtype_ok(t.dtype, dtype):
+                return f"{kind} {n} is {t.dtype}, the slot's is {_dtype_words(dtype)}", {}, {}
             mine = () if t.shape is None else t.shape
             if len(mine) != len(axes):
                 return (f"{kind} {n} has rank {len(mine)} ({t.describe()}), the slot's has rank {len(axes)} "
@@ -389,23 +406,43 @@ def _map(defn: Definition, contract) -> tuple:
     return None, declared, {d: a for d, a in bound.items() if not d.startswith("#")}
 
 
+def _adapted(defn: Definition, problem) -> tuple:
+    """(problem in words or None, declared shapes and dtypes, bound axes) of `defn` onto a problem family."""
+    why, declared, bound = _map(defn, problem.contract)
+    if why is None:
+        dtypes = {n: defn.inputs[p].dtype for n, p in problem.dtypes.items()}
+        declared = {**declared, "dtypes": {problem.slot: dtypes}}
+    return why, declared, bound
+
+
+def mapping(defn: Definition, slot: Optional[str] = None) -> Mapping:
+    """How `defn` fills a slot: the named slot (its own contract, else one of its problem families), else the one
+    slot or family it fits. One line naming the file otherwise."""
+    from ..slots import SLOTS
+    from ..slots.problems import for_slot
+
+    if slot is not None and slot not in SLOTS:
+        raise DefinitionError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
+    tried = {}
+    for name in ([slot] if slot else list(SLOTS)):
+        contract = SLOTS[name]
+        if contract.axes is not None or slot:
+            why, declared, bound = _map(defn, contract)
+            if why is None:
+                return Mapping(name, declared, None, bound)
+            tried[name] = why
+        for p in for_slot(name):
+            why, declared, bound = _adapted(defn, p)
+            if why is None:
+                return Mapping(name, declared, p.name, bound)
+            tried[f"{name} as {p.name}"] = why
+    why = "; ".join(f"{n}: {w}" for n, w in tried.items())
+    if slot is not None:
+        _fail(defn.path, f"definition {defn.name} does not map onto slot {slot}: {why}")
+    _fail(defn.path, f"definition {defn.name} maps onto no slot ({why})")
+
+
 def map_to_slot(defn: Definition, slot: Optional[str] = None) -> tuple:
     """(slot name, declared shapes) for `defn`: the named slot, else the one slot it fits. One line otherwise."""
-    from ..slots import SLOTS
-
-    if slot is not None:
-        if slot not in SLOTS:
-            raise DefinitionError(f"unknown slot {slot!r}; known: {', '.join(SLOTS)}")
-        problem, declared = mapping_problem(defn, SLOTS[slot])
-        if problem:
-            _fail(defn.path, f"definition {defn.name} does not map onto slot {slot}: {problem}")
-        return slot, declared
-    tried = {}
-    for name, contract in SLOTS.items():
-        problem, declared = mapping_problem(defn, contract)
-        if problem is None:
-            return name, declared
-        tried[name] = problem
-    takes = [n for n, c in SLOTS.items() if c.axes is not None]
-    why = "; ".join(f"{n}: {tried[n]}" for n in takes)
-    _fail(defn.path, f"definition {defn.name} maps onto no slot ({why})")
+    m = mapping(defn, slot)
+    return m.slot, m.declared

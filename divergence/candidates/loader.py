@@ -11,6 +11,9 @@ Forms of `spec` (docs/contracts.md has the full story):
 `run` is checked against the slot's contract when loaded, by parameter name and order:
     returning convention        run(*contract.inputs) -> outputs
     destination-passing (DPS)   run(*contract.inputs, *contract.outputs) -> None, outputs written in place
+A `run` that fits neither but fits one of the slot's problem families (slots/problems.py: a SOL problem whose
+signature is not the slot's, such as FlashInfer-Bench's run(hidden_states, weight) for rmsnorm) is loaded against
+that signature and called through the family's adapter, in either convention.
 Extra parameters are allowed after those only if they have defaults; `**kwargs` is allowed. Context the slot
 carries (`vocab_size` for fused_embed_rmsnorm) is passed as a keyword only to a `run` that names it or takes
 `**kwargs`. A DPS candidate gets fresh outputs filled with NaN, so elements it never writes stay visible.
@@ -474,15 +477,43 @@ def _convention(contract: Contract, fn: Callable, where: str, declared: Optional
 
 def _make_impl(contract: Contract, fn: Callable, *, name: str, origin: str, where: str, sha: Optional[str],
                doc: str, declared: Optional[str] = None, meta: Optional[dict] = None) -> Impl:
-    conv, passed = _convention(contract, fn, where, declared)
-    adapter = _destination_adapter if conv == "destination" else _returning_adapter
-    run = adapter(contract, fn, name, passed)
     from ..sandbox.client import RemoteFunction
 
+    problem, signature = None, contract
+    try:
+        conv, passed = _convention(contract, fn, where, declared)
+    except CandidateError:
+        problem = _problem_fitting(contract, fn, where, declared)
+        if problem is None:
+            raise
+        signature = problem.contract
+        conv, passed = _convention(signature, fn, where, declared)
+        if isinstance(fn, RemoteFunction):
+            fn.contract = signature  # its late writes and refusals are named by the problem's inputs
+    adapter = _destination_adapter if conv == "destination" else _returning_adapter
+    run = adapter(signature, fn, name, passed)
+    if problem is not None:
+        from ..slots.problems import adapted
+
+        run = adapted(problem, run, name)
+        meta = {**(meta or {}), "problem": problem.name}
     if isinstance(fn, RemoteFunction):
         run.sandbox = fn  # the candidate's kernel server: what the platform gave it, and the probe's late-write watch
     return Impl(slot=contract.name, name=name, fn=run, role="candidate",
                 origin=origin, sha256=sha, meta={"doc": doc, "convention": conv, **(meta or {})})
+
+
+def _problem_fitting(contract: Contract, fn: Callable, where: str, declared: Optional[str]):
+    """The slot's problem family whose signature `run` fits, or None."""
+    from ..slots.problems import for_slot
+
+    for p in for_slot(contract.name):
+        try:
+            _convention(p.contract, fn, where, declared)
+        except CandidateError:
+            continue
+        return p
+    return None
 
 
 def _first_device(inputs) -> torch.device:

@@ -7,6 +7,7 @@ from typing import Optional
 from ..errors import CandidateError
 from ..slots import SLOTS
 from ..slots.nulls import null_impl
+from ..slots.problems import declared_dtypes
 from ..slots.registry import Impl, Kernels, reference_impl
 from .loader import load_candidate
 
@@ -27,11 +28,18 @@ def resolve(slot: str, spec: Optional[str]) -> Impl:
     return load_candidate(slot, spec)
 
 
-def build_kernels(choices: Optional[dict] = None, context: Optional[dict] = None) -> Kernels:
-    """Every slot filled: the named implementation where `choices` names one, the reference elsewhere."""
+def build_kernels(choices: Optional[dict] = None, context: Optional[dict] = None,
+                  dtypes: Optional[dict] = None) -> Kernels:
+    """Every slot filled: the named implementation where `choices` names one, the reference elsewhere. `dtypes`
+    ({slot: {input: dtype name}}, a recipe's model.slot_dtypes): slots called in a declared problem's dtypes."""
     choices = choices or {}
     impls = {}
     for slot in SLOTS:
         spec = choices.get(slot)
         impls[slot] = spec if isinstance(spec, Impl) else resolve(slot, spec)
-    return Kernels(impls, context)
+    for slot, inputs in (dtypes or {}).items():
+        unknown = sorted(set(inputs) - set(SLOTS[slot].inputs))
+        if unknown:
+            raise CandidateError(f"model.slot_dtypes.{slot}: {unknown[0]!r} is no input of slot {slot} "
+                                 f"({', '.join(SLOTS[slot].inputs)})")
+    return Kernels(impls, context, {s: declared_dtypes({"dtypes": dtypes}, s) for s in dtypes or {}})

@@ -6,6 +6,9 @@
 - Forward slots (`rope`, `attn_softcap`, `swiglu`, `cross_entropy`): the implementation's output flows forward; a
   non-reference implementation gets its gradients from the reference's vector-Jacobian product at the same inputs,
   so a wrong forward shows up as wrong activations, not as a second, unrelated gradient bug.
+- A forward slot with declared dtypes (a declared SOL problem's: Kernels.dtypes) is called on its inputs cast to
+  them and its outputs cast back, both with autograd (`declared`): the gradients pass through the problem's dtypes
+  as they would in a step computed in them, in every arm alike.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import functools
 import torch
 
 from ..slots import fused_embed_rmsnorm as fer
+from ..slots.contract import as_tuple
 
 
 class EmbedRMSNorm(torch.autograd.Function):
@@ -100,7 +104,19 @@ def call_forward_slot(kernels, slot, *inputs):
     a candidate, a null or an observed reference runs as written, outside any compiled graph."""
     if kernels.is_plain(slot):
         return kernels(slot, *inputs)
-    return observed_forward_slot(kernels, slot, *inputs)
+    return declared(kernels, slot, inputs, lambda *cast: observed_forward_slot(kernels, slot, *cast))
+
+
+def declared(kernels, slot, inputs, call):
+    """call(*inputs) where the slot has no declared dtypes; else call(*inputs cast to them), its outputs cast back
+    to the dtypes the slot gives at `inputs`' own, all with autograd."""
+    if slot not in kernels.dtypes:
+        return call(*inputs)
+    contract = kernels.contract(slot)
+    back = [dt for _, dt in contract.output_specs(inputs, **{k: kernels.context[k] for k in contract.context})]
+    out = call(*kernels.cast(slot, inputs))
+    outs = tuple(o.to(d) for o, d in zip(as_tuple(out), back))
+    return outs if isinstance(out, tuple) else outs[0]
 
 
 @torch.compiler.disable

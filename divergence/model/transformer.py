@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..slots import rope
 from ..slots.registry import Kernels
-from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, observed_rmsnorm
+from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, declared, observed_rmsnorm
 from .rope_scaling import model_inv_freq
 
 PARAM_GROUPS = ("embedding", "norms", "attention", "mlp", "head")
@@ -34,7 +34,8 @@ class Norm(nn.Module):
             # The reference is plain differentiable ops: autograd's own backward, as fast as a bare loop (and
             # traced under `train.compile`).
             return self.kernels("rmsnorm", x, self.weight, self.eps)
-        return observed_rmsnorm(x, self.weight, self.eps, self.kernels)
+        return declared(self.kernels, "rmsnorm", (x, self.weight, self.eps),
+                        lambda *cast: observed_rmsnorm(*cast, self.kernels))
 
 
 class Attention(nn.Module):

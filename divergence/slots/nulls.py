@@ -46,7 +46,7 @@ def _rmsnorm_bwd_split(grad_output, x, weight, eps):
     g = go * weight.float()
     gx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * r
     gw = (go * xhat).reshape(-1, xf.shape[-1]).flip(0).sum(0)
-    return gx.to(x.dtype), gw.to(weight.dtype)
+    return gx.to(grad_output.dtype), gw.to(weight.dtype)
 
 
 def _rope_complex(q, k, position_ids, inv_freq):
@@ -103,7 +103,7 @@ NULLS: dict = {
     ],
     "rmsnorm_backward": [
         (_rmsnorm_bwd_split, "normalised-input form, weight gradient summed in reversed row order"),
-        (_oracle_down(rmsnorm_backward.oracle, lambda i: [i[1].dtype, i[2].dtype]), "float64 cast down"),
+        (_oracle_down(rmsnorm_backward.oracle, lambda i: [i[0].dtype, i[2].dtype]), "float64 cast down"),
     ],
     "rope": [
         (_rope_complex, "rotation as a complex product"),
@@ -182,7 +182,7 @@ def _rmsnorm_bwd_family(k):
         gx = r * (g - xf * r * r * (g * xf)[..., p].mean(-1, keepdim=True))
         rows = (go * xf * r).reshape(-1, xf.shape[-1])
         gw = rows[perm(rows.shape[0], xf.device)].sum(0)
-        return gx.to(x.dtype), gw.to(weight.dtype)
+        return gx.to(grad_output.dtype), gw.to(weight.dtype)
 
     return fn, f"row and hidden-axis sums in the order of permutation {k}"
 

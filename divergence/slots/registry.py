@@ -10,6 +10,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
+
 from ..errors import CandidateError
 from .contract import Contract, as_tuple
 from .outputs import check_input_hooks, hooks_of, plain_outputs
@@ -41,9 +43,15 @@ class Kernels:
     with the slot's context (e.g. vocab_size), then every tap as `tap(slot, inputs, outputs)`: the lockstep check
     hangs off this to measure the implementation filling the slot, and the reference op beside it, on the very
     inputs it was given (`before` keeps a copy of them in case the implementation writes into them).
+
+    `dtypes` ({slot: {input: torch dtype}}): slots a declared problem calls in its own dtypes (slots/problems.py).
+    Their float inputs are cast to those dtypes before the taps and the implementation see them, and the outputs
+    cast back to the dtypes the slot gives at the caller's; such a slot is never `is_plain`, so every arm calls
+    it as written, the reference's included. The model's forward call sites cast with autograd (`cast`), so the
+    gradients pass through the declared dtypes as a real step in them would.
     """
 
-    def __init__(self, impls: dict, context: Optional[dict] = None):
+    def __init__(self, impls: dict, context: Optional[dict] = None, dtypes: Optional[dict] = None):
         from . import SLOTS
 
         missing = sorted(set(SLOTS) - set(impls))
@@ -54,13 +62,35 @@ class Kernels:
         # slot -> the gradients its last call handed autograd (model/ops.py), where the arm compares them with the
         # `.grad` its optimizer reads (train/module.py); None: nobody asked
         self.handed: Optional[dict] = None
+        self.dtypes = {s: dict(d) for s, d in (dtypes or {}).items() if d}
+        unknown = sorted(set(self.dtypes) - set(SLOTS))
+        assert not unknown, f"declared dtypes for unknown slots {unknown}"
 
     def contract(self, slot: str) -> Contract:
         from . import SLOTS
 
         return SLOTS[slot]
 
+    def cast(self, slot: str, inputs) -> tuple:
+        """`inputs` with the float tensors cast to the slot's declared dtypes (autograd follows the casts)."""
+        want = self.dtypes.get(slot)
+        if not want:
+            return tuple(inputs)
+        return tuple(x.to(want[n]) if n in want and isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                     for n, x in zip(self.contract(slot).inputs, inputs))
+
     def __call__(self, slot: str, *inputs):
+        if slot in self.dtypes:
+            given = inputs
+            inputs = self.cast(slot, inputs)
+            out = self._call(slot, inputs)
+            ctx = {k: self.context[k] for k in self.contract(slot).context}
+            back = [dt for _, dt in self.contract(slot).output_specs(given, **ctx)]
+            outs = tuple(o.to(d) for o, d in zip(as_tuple(out), back))
+            return outs if isinstance(out, tuple) else outs[0]
+        return self._call(slot, inputs)
+
+    def _call(self, slot: str, inputs: tuple):
         impl = self.impls[slot]
         ctx = {k: self.context[k] for k in self.contract(slot).context}
         for _, slots, before in self.taps:
@@ -87,8 +117,9 @@ class Kernels:
         return self.impls[slot].role == "reference"
 
     def is_plain(self, slot: str) -> bool:
-        """The reference with nobody watching: the model may use plain autograd ops for it."""
-        return self.is_reference(slot) and not any(s is None or slot in s for _, s, _ in self.taps)
+        """The reference with nobody watching and no declared dtypes: the model may use plain autograd ops for it."""
+        return self.is_reference(slot) and slot not in self.dtypes and \
+            not any(s is None or slot in s for _, s, _ in self.taps)
 
     def describe(self) -> dict:
         return {s: {"name": i.name, "role": i.role, "origin": i.origin, "sha256": i.sha256} for s, i in self.impls.items()}

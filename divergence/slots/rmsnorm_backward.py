@@ -1,6 +1,8 @@
 """`rmsnorm_backward`: gradients of RMSNorm, computed in fp32 and cast back.
 
     run(grad_output[..., H], x[..., H], weight[H], eps: float) -> (grad_x[..., H], grad_weight[H])
+    grad_x in grad_output's dtype, grad_weight in weight's (SOL-ExecBench L1/013: a bf16 upstream gradient of fp32
+    activations gives a bf16 input gradient; where the two dtypes agree, as in the model, that is x's)
     r = rsqrt(mean(x^2, -1) + eps);  g = grad_output * weight
     grad_x = r * (g - x * r^2 * mean(g * x, -1))      # the mean term is what a sloppy kernel drops
     grad_weight = sum over rows of grad_output * x * r
@@ -23,7 +25,7 @@ def _bwd(grad_output, x, weight, eps, dtype):
 
 def reference(grad_output, x, weight, eps):
     gx, gw = _bwd(grad_output, x, weight, eps, torch.float32)
-    return gx.to(x.dtype), gw.to(weight.dtype)
+    return gx.to(grad_output.dtype), gw.to(weight.dtype)
 
 
 def oracle(grad_output, x, weight, eps):
@@ -46,6 +48,6 @@ CONTRACT = Contract(
     make_inputs=make_inputs,
     shapes=dict(rows=256, hidden=64),
     doc=__doc__,
-    output_specs=lambda inputs: [(tuple(inputs[1].shape), inputs[1].dtype), (tuple(inputs[2].shape), inputs[2].dtype)],
+    output_specs=lambda inputs: [(tuple(inputs[1].shape), inputs[0].dtype), (tuple(inputs[2].shape), inputs[2].dtype)],
     kind="backward",
 )

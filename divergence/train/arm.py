@@ -105,7 +105,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     device = resolve_device(recipe)
     corpus = corpus or load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
-    kernels = build_kernels(spec.kernels, {"vocab_size": vocab})
+    kernels = build_kernels(spec.kernels, {"vocab_size": vocab}, recipe.model.slot_dtypes)
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,

@@ -13,4 +13,4 @@ def run(grad_output, x, weight, eps):
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     grad_x = r * go * weight.float()  # the bug: no "- x * r^2 * mean(g * x)" inside
     grad_weight = (go * xf * r).reshape(-1, xf.shape[-1]).sum(0)
-    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+    return grad_x.to(grad_output.dtype), grad_weight.to(weight.dtype)

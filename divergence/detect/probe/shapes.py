@@ -19,8 +19,9 @@ from dataclasses import replace
 from typing import Optional
 
 from ...errors import UserError
-from ...shapes import MODEL_AXES, merge_declared, parse_shape_arg, shape_arg
+from ...shapes import CONSTANTS, MODEL_AXES, merge_declared, parse_shape_arg, shape_arg
 from . import inputs as fam_inputs
+from . import declared as declared_mod
 from . import longrun
 
 # The largest family's tokens where the problem does not bound them (batch x seq declared): a production
@@ -145,6 +146,8 @@ def families(slot: str, device: str, shapes: Optional[dict], recipe=None, worklo
     from .families import families as all_families
 
     text = fam_inputs.RealText()  # loaded once for this family list
+    if shapes and slot in declared_mod.SLOTS_DECLARED:
+        return _declared(slot, device, shapes, recipe, workloads, text)
     fams, notes = all_families(slot, device, recipe, text)
     model = _model_axes(shapes)
     if not shapes:
@@ -183,6 +186,23 @@ def families(slot: str, device: str, shapes: Optional[dict], recipe=None, worklo
     return declared + renamed, notes, {f.name for f in renamed}
 
 
+def _declared(slot, device, shapes, recipe, workloads, text) -> tuple:
+    """families() of a slot that declared.py builds at declared shapes: those, its captured families where the
+    recipe trains at the declared shapes (the A/B's own probe), and its contract family as `other:contract`."""
+    from .captured import captured_families
+    from .inputs import families as synthetic_families
+
+    declared, notes = declared_mod.families(slot, shapes, device, workloads)
+    if declared_mod.recipe_declares(recipe, shapes):
+        captured, more = captured_families(slot, device, recipe)
+        declared, notes = declared + captured, notes + more  # the model at the declared shapes: the problem's inputs
+    else:
+        notes.append("captured families skipped: the probe's recipe does not train at the declared shapes (the "
+                     "A/B's own probe captures at them)")
+    other = [replace(f, name=OTHER + f.name) for f in synthetic_families(slot, device, text)[0] if f.name == "contract"]
+    return declared + other, notes, {f.name for f in other}
+
+
 def budget(device: str, shapes: Optional[dict], default: float) -> float:
     """The sweep's time budget: at declared shapes the families are production-sized (a 65,536 x 4096 float64
     oracle per family), so the budget is BUDGET_DECLARED, not the small default."""
@@ -200,7 +220,8 @@ def judge(contract, fams: list, findings: list, shapes: Optional[dict], others: 
             where = f.get("families", [f["family"]])
             mine = [x for x in where if x not in others]
             if len(mine) < len(where) and not notes:
-                notes.append(f"runs only at {_words(_model_axes(shapes) or shapes)}, as its problem declares "
+                said = {k: v for k, v in _call_axes(shapes).items() if k != "dtypes"}
+                notes.append(f"runs only at {shape_words(said or shapes)}, as its problem declares "
                              f"(at {f['shape']}: {f['detail'].split(' (also in')[0]})")
             if mine:
                 counted.append(f if len(mine) == len(where) else dict(f, family=mine[0], families=mine))
@@ -212,14 +233,19 @@ def judge(contract, fams: list, findings: list, shapes: Optional[dict], others: 
     need = guess_shapes(contract, fams, findings)
     f = blocked[0]
     detail = f["detail"].split(" (also in")[0]
-    how = (f"it seems to need {_words(need)}: pass --shape {shape_arg(need)}" if need else
+    how = (f"it seems to need {shape_words(need)}: pass --shape {shape_arg(need)}" if need else
            f"pass the shapes it was written for: --shape {_axes_hint(contract)}")
     return NEEDS_SHAPES, findings, [f"cannot run at the contract's shapes ({f['shape']}: {detail}); {how} "
                                     "(or its problem's definition.json with --definition); no numerical verdict"]
 
 
-def _words(shapes: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in shapes.items())
+def shape_words(shapes: dict, sep: str = ", ") -> str:
+    """The shapes in words: axes and constants (`eps=1e-05`), and the dtypes a slot is called in."""
+    out = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in shapes.items() if k != "dtypes"]
+    for slot, dts in (shapes.get("dtypes") or {}).items():
+        out.append(f"{slot} in " + " ".join(f"{n}:{dt}" for n, dt in dts.items()))
+    return sep.join(out)
+
 
 
 def _axes_hint(contract) -> str:
@@ -271,8 +297,8 @@ def declared_for(kernel: Optional[str], candidate: Optional[str], shape: Optiona
 
     The definition (found as candidates/definition.py says) is mapped onto the slot (`--kernel` where given, else
     the one it fits) and cross-checked against the slot's reference before anything runs under it."""
-    from ...candidates.definition import find_definition, map_to_slot, solution_definition_name
-    from .crosscheck import cross_check
+    from ...candidates.definition import find_definition, mapping, solution_definition_name
+    from .crosscheck import baked_constants, cross_check
 
     named = solution_definition_name(candidate)  # the solution read once: for the search and for the note below
     defn = find_definition(candidate, definition, definitions, named=named)
@@ -289,12 +315,20 @@ def declared_for(kernel: Optional[str], candidate: Optional[str], shape: Optiona
                  "no declared shapes")
         axes, source = merge_declared({}, cli, recipe_shapes or {}, "")
         return kernel, axes, source, None
-    slot, const = map_to_slot(defn, kernel)
+    m = mapping(defn, kernel)
+    slot = m.slot
     where = f"definition {defn.name} ({defn.path})"
-    axes, source = merge_declared(const, cli, recipe_shapes or {}, where)
-    errs = cross_check(defn, slot, _model_axes(axes), device=device)
+    axes, source = merge_declared(m.declared, cli, recipe_shapes or {}, where)
+    axes = {**axes, **baked_constants(defn, slot, _call_axes(axes), device=device)}
+    errs = cross_check(defn, slot, _call_axes(axes), device=device)
     if echo:
         worst = max(errs.values(), key=lambda e: e["definition"] / max(e["allowed"], 1e-300))
-        echo(f"definition {defn.name} -> slot {slot} at {_words(axes) or 'its own shapes'}; its reference agrees "
-             f"with the slot's (error {worst['definition']:.2e} vs the slot's {worst['slot']:.2e})")
+        how = f" through its {m.problem} adapter" if m.problem else ""
+        echo(f"definition {defn.name} -> slot {slot}{how} at {shape_words(axes) or 'its own shapes'}; its reference "
+             f"agrees with the slot's (error {worst['definition']:.2e} vs the slot's {worst['slot']:.2e})")
     return slot, axes, source, defn
+
+
+def _call_axes(shapes: dict) -> dict:
+    """What of the declared shapes decides one call's inputs: the model's axes, the constants, the dtypes."""
+    return {k: v for k, v in shapes.items() if k in MODEL_AXES or k in CONSTANTS or k == "dtypes"}

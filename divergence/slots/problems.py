@@ -1,0 +1,260 @@
+"""SOL-ExecBench problems whose `run` is not a slot's own, each family joined to its slot by an adapter.
+
+A problem family is the problem's signature (a Contract of its inputs, outputs, dtypes and axes, under the slot's
+name, so every message names the slot) and `adapt(run, *slot_inputs) -> slot outputs`: the problem's inputs
+derived from the slot's, the problem's `run` called on them, its outputs turned back into the slot's. One adapter
+serves every problem of its family and every implementation alike: a candidate's `run`, and the definition's own
+reference, which the cross-check runs through the same adapter before anything is judged under it
+(detect/probe/crosscheck.py).
+
+    family               problems                               slot              adapter
+    softcap_softmax      L1/046                                 attn_softcap      the causal mask re-applied
+    rmsnorm_rows         FlashInfer-Bench rmsnorm_h{128..7168}  rmsnorm           x as [rows, H]
+    rope_cos_sin         L1/088                                 rope              cos/sin [S, D] from the positions
+    residual_rmsnorm_bwd L1/013                                 rmsnorm_backward  normalized, rstd from x and eps
+
+What a problem bakes in (a softcap, an eps) is no input of its `run`: the slot's input of that name is set to the
+declared value wherever the slot is called under such a problem (`baked`: slot input -> declared constant; the
+value is read from the definition by the cross-check). Where the problem fixes its dtypes, the slot is called in
+them (`dtypes`: slot input -> the problem input whose dtype it takes): in the A/B model every arm casts to them
+around the slot (registry.Kernels), and the probe's families are drawn in them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import CandidateError, OutputError
+from . import rope as rope_slot
+from .contract import Contract, as_tuple
+from .outputs import output_problem
+
+FLOATS = ("bfloat16", "float16", "float32")  # the dtypes a dtype-generic slot takes from a definition
+# Declared constants (divergence/shapes.py) -> the slot input each one sets where a problem bakes it in.
+CONSTANT_INPUTS = {"eps": "eps", "softcap": "cap"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str  # the family
+    slot: str  # the slot it fills
+    contract: Contract  # the problem's own signature (inputs, outputs, axes, output_specs), named as the slot
+    adapt: Callable  # adapt(run, *slot_inputs) -> the slot's outputs; `run` takes the problem's inputs
+    dtypes: dict  # slot input -> the problem input whose dtype it takes
+    problems: str  # the SOL problems of the family, in words
+    model: str  # what the A/B model does at this place, in words
+    baked: dict = field(default_factory=dict)  # slot input -> declared constant the problem bakes in
+
+
+def _signature(slot: str, inputs: tuple, outputs: tuple, axes: dict, specs: Callable, doc: str) -> Contract:
+    return Contract(name=slot, inputs=inputs, outputs=outputs, reference=None, oracle=None, make_inputs=None,
+                    shapes={}, doc=doc, output_specs=specs, axes=axes)
+
+
+def _one(out):
+    outs = as_tuple(out)
+    return outs[0]
+
+
+# ------------------------------------------------------------------------------------- softcap_softmax (L1/046)
+
+
+def _softcap_adapt(run, scores, cap):
+    """The problem's softmax has no mask: a masked score (-inf) enters it capped to -cap, with weight
+    exp(-cap - m) against the row's largest capped score m. The slot's softmax leaves those out. Both are one
+    row scale apart, computed here from the scores alone (never from the kernel's output, so a kernel that does
+    not normalise stays wrong): probs = output * (1 + n_masked exp(-cap - m) / sum_unmasked exp(c - m)), zero where
+    masked. For rows with m >= 0 the scale is 1 in fp32 (2,047 masked scores add 1.9e-10), so the kernel's own
+    values pass through untouched; without a mask, always."""
+    out = _one(run(scores))
+    masked = torch.isneginf(scores)
+    if not bool(masked.any()):
+        return out
+    s = scores.float()
+    capped = (cap * torch.tanh(s / cap)).masked_fill(masked, float("-inf"))
+    m = capped.amax(-1, keepdim=True)
+    z = torch.exp(capped - m).sum(-1, keepdim=True)
+    scale = 1.0 + masked.sum(-1, keepdim=True) * torch.exp(-cap - m) / z
+    return (out.float() * scale).masked_fill(masked, 0.0).to(out.dtype)
+
+
+SOFTCAP = Problem(
+    name="softcap_softmax",
+    slot="attn_softcap",
+    contract=_signature(
+        "attn_softcap", ("attn_weights",), ("output",),
+        {"attn_weights": (FLOATS, ("batch", "heads", "q_seq", "k_seq")),
+         "output": (FLOATS, ("batch", "heads", "q_seq", "k_seq"))},
+        lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype)],
+        "run(attn_weights[B, H, Q, K]) -> output = softmax(cap * tanh(attn_weights / cap), -1); cap baked in"),
+    adapt=_softcap_adapt,
+    dtypes={"scores": "attn_weights"},
+    baked={"cap": "softcap"},
+    problems="L1/046 attention_softmax_with_softcapping_and_dropout",
+    model="the attention's scores after the causal mask, before @ v; heads and cap set by the definition",
+)
+
+
+# ---------------------------------------------------------------------------------- rmsnorm_rows (FlashInfer)
+
+
+def _rmsnorm_rows_adapt(run, x, weight, eps):
+    """x of any rank as [rows, H]; eps is the problem's own (baked), which the model and the probe declare."""
+    y = _one(run(x.reshape(-1, x.shape[-1]), weight))
+    return y.reshape(x.shape)
+
+
+RMSNORM_ROWS = Problem(
+    name="rmsnorm_rows",
+    slot="rmsnorm",
+    contract=_signature(
+        "rmsnorm", ("hidden_states", "weight"), ("output",),
+        {"hidden_states": (FLOATS, ("rows", "hidden")), "weight": (FLOATS, ("hidden",)),
+         "output": (FLOATS, ("rows", "hidden"))},
+        lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype)],
+        "run(hidden_states[rows, H], weight[H]) -> output = hidden_states * rsqrt(mean(x^2) + eps) * weight; "
+        "eps baked in"),
+    adapt=_rmsnorm_rows_adapt,
+    dtypes={"x": "hidden_states", "weight": "weight"},
+    baked={"eps": "eps"},
+    problems="FlashInfer-Bench rmsnorm_h128, h512, h1536, h2048, h4096, h7168",
+    model="every RMSNorm of the blocks and the final norm, its input flattened to [B x S, H]; eps set by the "
+          "definition",
+)
+
+
+# ------------------------------------------------------------------------------------- rope_cos_sin (L1/088)
+
+
+def _rope_cos_sin_adapt(run, q, k, position_ids, inv_freq):
+    """cos/sin [S, D] from the slot's positions and inv_freq, in fp32 as the slot's reference builds them. One
+    table serves every sequence where all share their positions (training's arange); otherwise (packed documents)
+    each sequence is a call of its own."""
+    cos, sin = rope_slot.tables(position_ids, inv_freq, torch.float32)  # (B or 1, 1, S, hd)
+    if cos.shape[0] == 1 or bool((position_ids == position_ids[:1]).all()):
+        qo, ko = as_tuple(run(q, k, cos[0, 0], sin[0, 0]))
+        return qo, ko
+    outs = [as_tuple(run(q[b:b + 1], k[b:b + 1], cos[b, 0], sin[b, 0])) for b in range(q.shape[0])]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+ROPE_COS_SIN = Problem(
+    name="rope_cos_sin",
+    slot="rope",
+    contract=_signature(
+        "rope", ("query", "key", "cos", "sin"), ("query_rotated", "key_rotated"),
+        {"query": (FLOATS, ("batch", "heads", "seq", "head_dim")),
+         "key": (FLOATS, ("batch", "kv_heads", "seq", "head_dim")),
+         "cos": ("float32", ("seq", "head_dim")), "sin": ("float32", ("seq", "head_dim")),
+         "query_rotated": (FLOATS, ("batch", "heads", "seq", "head_dim")),
+         "key_rotated": (FLOATS, ("batch", "kv_heads", "seq", "head_dim"))},
+        lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype), (tuple(inputs[1].shape), inputs[1].dtype)],
+        "run(query[B, H, S, D], key[B, Hkv, S, D], cos[S, D], sin[S, D]) -> x * cos + rotate_half(x) * sin"),
+    adapt=_rope_cos_sin_adapt,
+    dtypes={"q": "query", "k": "key"},
+    problems="L1/088 rotary_position_embedding_application",
+    model="q and k of every attention layer, strided views of the qkv projection as training has them; head size "
+          "set by the definition",
+)
+
+
+# ----------------------------------------------------------------------------- residual_rmsnorm_bwd (L1/013)
+
+
+def _residual_rmsnorm_bwd_adapt(run, grad_output, x, weight, eps):
+    """normalized and rstd derived from x and eps as the forward saves them (fp32), x as [B, S, H]. The problem's
+    x is hidden_states + residual, so grad_hidden_states and grad_residual are one gradient: the slot's grad_x is
+    the first, and the second must equal it within one rounding of its dtype."""
+    shape = x.shape if x.dim() == 3 else (1, -1, x.shape[-1])
+    x3, go3 = x.reshape(shape), grad_output.reshape(shape)
+    rstd = torch.rsqrt(x3.float().pow(2).mean(-1, keepdim=True) + eps)
+    normalized = x3.float() * rstd
+    gh, gr, gw = as_tuple(run(go3, x3, normalized, rstd, weight))
+    if gr.shape != gh.shape or not _same(gr, gh):
+        raise CandidateError(f"rmsnorm_backward: grad_residual is not grad_hidden_states (relative L2 distance "
+                             f"{_dist(gr, gh):.2e}, more than one rounding of {str(gh.dtype).replace('torch.', '')}): "
+                             "x = hidden_states + residual, so the two are one gradient")
+    return gh.reshape(x.shape), gw
+
+
+def _dist(a, b) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    d = torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()).clamp_min(1e-300)
+    return float(d)
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) or _dist(a, b) <= torch.finfo(b.dtype).eps  # NaN: not the same
+
+
+RESIDUAL_RMSNORM_BWD = Problem(
+    name="residual_rmsnorm_bwd",
+    slot="rmsnorm_backward",
+    contract=_signature(
+        "rmsnorm_backward", ("grad_output", "x", "normalized", "rstd", "weight"),
+        ("grad_hidden_states", "grad_residual", "grad_weight"),
+        {"grad_output": (FLOATS, ("batch", "seq", "hidden")), "x": (FLOATS, ("batch", "seq", "hidden")),
+         "normalized": ("float32", ("batch", "seq", "hidden")), "rstd": ("float32", ("batch", "seq", 1)),
+         "weight": (FLOATS, ("hidden",)),
+         "grad_hidden_states": (FLOATS, ("batch", "seq", "hidden")),
+         "grad_residual": (FLOATS, ("batch", "seq", "hidden")), "grad_weight": (FLOATS, ("hidden",))},
+        lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype), (tuple(inputs[0].shape), inputs[0].dtype),
+                        (tuple(inputs[4].shape), inputs[4].dtype)],
+        "run(grad_output, x, normalized, rstd, weight) -> grad_hidden_states, grad_residual, grad_weight"),
+    adapt=_residual_rmsnorm_bwd_adapt,
+    dtypes={"grad_output": "grad_output", "x": "x", "weight": "weight"},
+    problems="L1/013 fused_residual_rms_norm_backward",
+    model="the backward of every RMSNorm of the blocks and the final norm (x: the residual stream, the sum the "
+          "problem's forward computed); width set by the definition",
+)
+
+
+PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD)}
+
+
+def for_slot(slot: str) -> list:
+    return [p for p in PROBLEMS.values() if p.slot == slot]
+
+
+def adapted(problem: Problem, run: Callable, name: str) -> Callable:
+    """`run` (the problem's function, in the returning convention) as the slot's: fn(*slot_inputs, **context).
+    Its outputs are checked to be plain data in the problem's own names before they are adapted."""
+    def fn(*inputs, **context):
+        def checked(*args):
+            out = run(*args)
+            said = output_problem(problem.contract, out, args)
+            if said:
+                raise OutputError(f"{problem.slot}: candidate {name}: {said}")
+            return out
+
+        return problem.adapt(checked, *inputs)
+
+    fn.__name__ = fn.__qualname__ = f"{problem.slot}:{name}"
+    return fn
+
+
+# ----------------------------------------------------------------------------------------- declared inputs
+
+
+def declared_dtypes(shapes: Optional[dict], slot: str) -> dict:
+    """{slot input: torch dtype} the declared shapes call `slot` in (their `dtypes` entry), or {}."""
+    names = ((shapes or {}).get("dtypes") or {}).get(slot) or {}
+    return {k: getattr(torch, v) for k, v in names.items()}
+
+
+def declare_inputs(contract: Contract, inputs, shapes: Optional[dict]) -> tuple:
+    """`inputs` of the slot with its float tensors cast to the declared dtypes and its baked constants set to the
+    declared values: what the slot is called with under a declared problem."""
+    dtypes = declared_dtypes(shapes, contract.name)
+    consts = {CONSTANT_INPUTS[k]: v for k, v in (shapes or {}).items() if k in CONSTANT_INPUTS}
+    out = []
+    for n, x in zip(contract.inputs, inputs):
+        if n in dtypes and isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.to(dtypes[n])
+        elif n in consts and not isinstance(x, torch.Tensor):
+            x = type(x)(consts[n]) if isinstance(x, float) else consts[n]
+        out.append(x)
+    return tuple(out)

@@ -1,0 +1,228 @@
+"""SOL problems that are not a slot's own signature, judged from their solution and definition alone: each
+definition maps onto its slot through its problem family's adapter (slots/problems.py), its baked constants and
+dtypes are read and declared, and the probe on the CPU passes the fixture's right kernel and fails its wrong one.
+
+The fixtures are written by tests/fixtures/sol/<problem>.py: shipped at the problems' own axes, and here at
+shrunken ones where those are costly on a CPU. Each probe runs a few families (those that tell the kernels apart,
+and a masked or odd one that the adapter has work on) to keep the suite short; `divergence probe` without
+--families runs them all.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from divergence.candidates.definition import DefinitionError, load_definition, mapping, workload_shapes
+from divergence.candidates.loader import load_candidate
+from divergence.cli import main
+from divergence.detect.probe.crosscheck import baked_constants, cross_check
+from divergence.detect.probe.shapes import declared_for
+from divergence.errors import CandidateError
+from divergence.slots import SLOTS
+from divergence.slots.problems import PROBLEMS
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sol"
+sys.path.insert(0, str(FIXTURES))
+import flashinfer_rmsnorm  # noqa: E402
+import l1_046  # noqa: E402
+
+
+def probe(tmp_path, solution, families, seed=3) -> tuple:
+    """(exit code, probe.json) of `divergence probe` on a solution alone, restricted to `families`."""
+    out = tmp_path / f"probe-{Path(solution).parent.name}"
+    rc = main(["probe", "--candidate", str(solution), "--seed", str(seed), "--out", str(out), "--families",
+               ",".join(families)])
+    return rc, json.loads((out / "probe.json").read_text())
+
+
+def failed(res) -> set:
+    return {f["family"] for f in res["findings"]}
+
+
+@pytest.mark.parametrize("module, folder, args", [
+    (l1_046, "l1_046", {}),
+    (flashinfer_rmsnorm, "rmsnorm_h4096", {"hidden": 4096}),
+])
+def test_shipped_fixtures_are_the_generators_output(tmp_path, module, folder, args):
+    module.write(tmp_path, **args)
+    for variant in module.VARIANTS:
+        for f in ("solution.json", "definition.json", "workload.jsonl"):
+            assert (FIXTURES / folder / variant / f).read_text() == (tmp_path / variant / f).read_text(), (variant, f)
+
+
+# ---------------------------------------------------------------------------------------------- L1/046
+
+
+@pytest.fixture(scope="module")
+def sol046(tmp_path_factory):
+    return l1_046.write(tmp_path_factory.mktemp("l1_046"))
+
+
+def test_046_maps_onto_attn_softcap_through_its_adapter_with_heads_cap_and_dtype(sol046):
+    defn = load_definition(sol046["fixed-max"].parent / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("attn_softcap", "softcap_softmax")
+    assert m.declared == {"heads": 8, "dtypes": {"attn_softcap": {"scores": "bfloat16"}}}
+    # the cap is no tensor's axis: read from the definition by the cross-check, at the value its reference agrees
+    assert baked_constants(defn, "attn_softcap", m.declared) == {"softcap": 30.0}
+    assert workload_shapes(defn, "attn_softcap")[2] == {"heads": 8, "batch": 1, "q_seq": 128, "k_seq": 256}
+
+
+def test_046_a_reference_that_bakes_no_number_it_names_is_refused_in_one_line(tmp_path):
+    d = l1_046.definition(8, 30)
+    d["reference"] = d["reference"].replace("ATTN_LOGIT_SOFTCAPPING = 30.0", "ATTN_LOGIT_SOFTCAPPING = 25.0 + 5.5")
+    (tmp_path / "definition.json").write_text(json.dumps(d))
+    defn = load_definition(tmp_path / "definition.json")
+    with pytest.raises(DefinitionError) as e:
+        baked_constants(defn, "attn_softcap", mapping(defn).declared)
+    msg = str(e.value)
+    assert "bakes in the slot's cap" in msg and "no value of the numbers it names (30, 25, 5.5, 1)" in msg
+    assert "--shape softcap=VALUE" in msg and "\n" not in msg
+
+
+def test_046_the_probe_passes_the_fixed_max_kernel_and_fails_the_taylor_tanh(sol046, tmp_path):
+    fams = ["contract", "no-mask", "logits-0-1", "workload-1x128x256"]
+    rc, res = probe(tmp_path, sol046["fixed-max"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    assert res["shapes"]["softcap"] == 30.0 and res["shapes"]["heads"] == 8
+    assert {f["family"] for f in res["families"]} == set(fams)
+    rc, res = probe(tmp_path, sol046["taylor-tanh"], fams)
+    assert rc == 1 and res["verdict"] == "FAIL"
+    checks = {(f["family"], f["check"]) for f in res["findings"]}
+    assert ("no-mask", "error") in checks  # logits past the cap: the polynomial is no tanh there
+    assert ("contract", "nonfinite") in checks  # -inf (the causal mask) / 30 cubed: NaN
+    assert "logits-0-1" in failed(res)  # the benchmark's own logits, but masked as training masks them
+
+
+def test_046_the_adapter_rescales_masked_rows_from_the_scores_alone():
+    """With a mask, the problem's softmax and the slot's differ by one scale per row; the adapter computes it from
+    the scores, so the problem's own reference becomes the slot's exactly where the rows need it (a lone unmasked
+    score far below the cap: 63 masked ones outweigh it), and a kernel that does not normalise stays wrong."""
+    from divergence.slots import attn_softcap
+
+    adapt = PROBLEMS["softcap_softmax"].adapt
+    s = torch.full((1, 1, 64, 64), 5.0).masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), -torch.inf)
+    s[0, 0, 0, 0] = -40.0
+    unmasked = lambda x: torch.softmax(30 * torch.tanh(x.float() / 30), -1)  # noqa: E731
+    got = adapt(unmasked, s, 30.0)
+    want = attn_softcap.oracle(s.double(), 30.0)
+    assert float(got[0, 0, 0, 0]) == pytest.approx(1.0, rel=1e-6)
+    assert float((got.double() - want).abs().max()) < 1e-6
+    raw = lambda x: torch.exp(30 * torch.tanh(x.float() / 30))  # noqa: E731 -- no normalisation at all
+    assert float((adapt(raw, s, 30.0).double() - want).abs().max()) > 1.0
+
+
+def test_046_the_ab_trains_through_the_adapter_at_the_declared_heads_cap_and_dtype(sol046, tmp_path, capsys):
+    out = tmp_path / "ab"
+    rc = main(["ab", "--candidate", str(sol046["taylor-tanh"]), "--recipe", "tiny", "--optimizers", "sgd", "--set",
+               "train.steps=4", "--no-wandb", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert "through its softcap_softmax adapter at heads=8, softcap=30" in said
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert rc == 1 and verdict["case"] == "failed", verdict["overall"]
+    arm = json.loads((out / "sgd" / "candidate" / "arm.json").read_text())
+    assert arm["status"] == "NAN" and "attn_softcap candidate" in arm["stop_where"]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["overrides"]["shapes"] == {"heads": 8, "softcap": 30.0,
+                                           "dtypes": {"attn_softcap": {"scores": "bfloat16"}}}
+
+
+def test_declared_dtypes_reach_every_arm_s_slot_call_and_its_gradients():
+    """The model calls a declared slot in the problem's dtypes in every arm, the plain reference's included (it is
+    then no longer `is_plain`), and autograd follows the casts back to the model's own dtypes."""
+    from divergence.candidates.resolve import build_kernels
+    from divergence.model import build_model
+    from divergence.recipe import load_recipe
+
+    r = load_recipe("tiny", {"shapes": {"heads": 8, "softcap": 30.0,
+                                        "dtypes": {"attn_softcap": {"scores": "bfloat16"}}}})
+    assert (r.model.n_heads, r.model.head_size, r.model.attn_softcap) == (8, 8, 30.0)
+    seen = []
+    for spec in (None, "null-1"):
+        kernels = build_kernels({"attn_softcap": spec}, {"vocab_size": 64}, r.model.slot_dtypes)
+        kernels.add_tap(lambda slot, inputs, out: seen.append((inputs[0].dtype, out.dtype, inputs[1])),
+                        ["attn_softcap"])
+        model = build_model(r.model, 64, kernels, 0)
+        loss = model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+        loss.backward()
+        assert model.blocks[0].attn.qkv.weight.grad.dtype == torch.float32
+        assert torch.isfinite(model.blocks[0].attn.qkv.weight.grad).all()
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16, 30.0)}
+
+
+def test_a_declared_slot_is_never_plain_and_its_gradient_passes_through_the_declared_dtype():
+    from divergence.candidates.resolve import build_kernels
+    from divergence.model.ops import call_forward_slot
+
+    dtypes = {"attn_softcap": {"scores": "bfloat16"}}
+    kernels = build_kernels({}, {"vocab_size": 64}, dtypes)
+    assert not kernels.is_plain("attn_softcap") and kernels.is_plain("swiglu")
+    for spec in (None, "null-1"):  # the reference under plain autograd, a null through the reference's VJP
+        kernels = build_kernels({"attn_softcap": spec}, {"vocab_size": 64}, dtypes)
+        scores, _ = SLOTS["attn_softcap"].make_inputs(torch.Generator().manual_seed(0), "cpu", seq=16)
+        scores.requires_grad_(True)
+        probs = call_forward_slot(kernels, "attn_softcap", scores, 30.0)
+        assert probs.dtype == torch.float32  # back in the model's dtype
+        probs.backward(torch.randn(probs.shape, generator=torch.Generator().manual_seed(1)))
+        g = scores.grad
+        assert g.dtype == torch.float32 and torch.equal(g, g.bfloat16().float())  # computed in bf16
+
+
+# ------------------------------------------------------------------------------------- FlashInfer rmsnorm
+
+
+@pytest.fixture(scope="module")
+def sol_rms(tmp_path_factory):
+    return flashinfer_rmsnorm.write(tmp_path_factory.mktemp("rmsnorm_h128"), hidden=128)
+
+
+@pytest.mark.parametrize("hidden, eps", [(128, 1e-6), (4096, 1e-5)])
+def test_rmsnorm_h_maps_onto_rmsnorm_rows_and_reads_the_eps_its_reference_bakes(tmp_path, hidden, eps):
+    flashinfer_rmsnorm.write(tmp_path, hidden=hidden, variants=("fp32",))
+    defn = load_definition(tmp_path / "fp32" / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("rmsnorm", "rmsnorm_rows")
+    assert m.declared == {"hidden": hidden, "dtypes": {"rmsnorm": {"x": "bfloat16", "weight": "bfloat16"}}}
+    assert baked_constants(defn, "rmsnorm", m.declared) == {"eps": eps}
+    slot, shapes, _, _ = declared_for(None, str(tmp_path / "fp32" / "solution.json"))
+    assert slot == "rmsnorm" and shapes["eps"] == eps and shapes["hidden"] == hidden
+    assert workload_shapes(defn, "rmsnorm")[-1] == {"hidden": hidden, "rows": 14509}
+
+
+def test_rmsnorm_h_a_mapping_with_the_wrong_eps_disagrees(tmp_path):
+    flashinfer_rmsnorm.write(tmp_path, hidden=128, eps=1e-6, variants=("fp32",))
+    defn = load_definition(tmp_path / "fp32" / "definition.json")
+    declared = {**mapping(defn).declared, "eps": 1e-5}  # e.g. --shape eps=1e-5 against a reference baking 1e-6
+    with pytest.raises(DefinitionError, match="does not agree with slot rmsnorm: on y its reference is off"):
+        cross_check(defn, "rmsnorm", declared)
+
+
+def test_rmsnorm_h_the_probe_passes_fp32_and_fails_eps_outside_the_root(sol_rms, tmp_path):
+    fams = ["contract", "mixed-rows", "tiny-rows", "workload-7"]
+    rc, res = probe(tmp_path, sol_rms["fp32"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    assert res["shapes"]["eps"] == 1e-6
+    rc, res = probe(tmp_path, sol_rms["eps-outside"], fams)
+    assert rc == 1
+    assert failed(res) == {"mixed-rows", "tiny-rows"}  # unit-scale rows (the benchmark's) cannot tell
+
+
+def test_a_problem_signature_loads_through_its_adapter_without_a_definition(tmp_path):
+    """A plain file in a problem's signature fills its slot through the family's adapter (in-process and in a
+    kernel server alike); one in neither signature is told the slot's own."""
+    src = (FIXTURES / "rmsnorm_h4096" / "fp32" / "solution.json")
+    code = json.loads(src.read_text())["sources"][0]["content"].replace("H = 4096", "H = 64")
+    (tmp_path / "k.py").write_text(code)
+    impl = load_candidate("rmsnorm", str(tmp_path / "k.py"))
+    assert impl.meta["problem"] == "rmsnorm_rows" and impl.meta["convention"] == "destination"
+    x, w, _ = SLOTS["rmsnorm"].make_inputs(torch.Generator().manual_seed(0), "cpu", rows=6, hidden=64)
+    x3 = x.reshape(2, 3, 64)  # any rank: the adapter hands the kernel [rows, H]
+    got = impl.fn(x3, w, 1e-5)
+    assert got.shape == x3.shape and torch.allclose(got, SLOTS["rmsnorm"].reference(x3, w, 1e-5))
+    (tmp_path / "bad.py").write_text("def run(hidden_states, bias):\n    return hidden_states\n")
+    with pytest.raises(CandidateError, match=r"does not fit slot rmsnorm: missing parameter\(s\) x, weight, eps"):
+        load_candidate("rmsnorm", str(tmp_path / "bad.py"))
