@@ -29,6 +29,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "sol"
 sys.path.insert(0, str(FIXTURES))
 import flashinfer_rmsnorm  # noqa: E402
 import l1_046  # noqa: E402
+import l1_088  # noqa: E402
 
 
 def probe(tmp_path, solution, families, seed=3) -> tuple:
@@ -46,6 +47,7 @@ def failed(res) -> set:
 @pytest.mark.parametrize("module, folder, args", [
     (l1_046, "l1_046", {}),
     (flashinfer_rmsnorm, "rmsnorm_h4096", {"hidden": 4096}),
+    (l1_088, "l1_088", {}),
 ])
 def test_shipped_fixtures_are_the_generators_output(tmp_path, module, folder, args):
     module.write(tmp_path, **args)
@@ -226,3 +228,57 @@ def test_a_problem_signature_loads_through_its_adapter_without_a_definition(tmp_
     (tmp_path / "bad.py").write_text("def run(hidden_states, bias):\n    return hidden_states\n")
     with pytest.raises(CandidateError, match=r"does not fit slot rmsnorm: missing parameter\(s\) x, weight, eps"):
         load_candidate("rmsnorm", str(tmp_path / "bad.py"))
+
+
+# ---------------------------------------------------------------------------------------------- L1/088
+
+
+@pytest.fixture(scope="module")
+def sol088(tmp_path_factory):
+    return l1_088.write(tmp_path_factory.mktemp("l1_088"))
+
+
+def test_088_maps_onto_rope_through_cos_sin_tables_at_head_dim_128(sol088):
+    defn = load_definition(sol088["rotate-half"].parent / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("rope", "rope_cos_sin")
+    assert m.declared == {"head_dim": 128, "dtypes": {"rope": {"q": "float32", "k": "float32"}}}
+    assert baked_constants(defn, "rope", m.declared) == {}  # cos and sin are inputs: nothing baked in
+    assert workload_shapes(defn, "rope")[0] == {"head_dim": 128, "batch": 1, "heads": 8, "kv_heads": 4, "seq": 128}
+
+
+def test_088_the_probe_passes_rotate_half_and_fails_the_kernel_wrong_on_strided_inputs(sol088, tmp_path):
+    """The strided-path kernel is right on every tensor a benchmark allocates; the probe's qkv-views family hands
+    it q and k as training does (views of the fused projection), and the lockstep check of an A/B sees the same."""
+    fams = ["contract", "qkv-views", "packed", "workload-1x8x4x128"]
+    rc, res = probe(tmp_path, sol088["rotate-half"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    rc, res = probe(tmp_path, sol088["strided-path"], fams)
+    assert rc == 1 and failed(res) == {"qkv-views"}
+    assert {f["output"] for f in res["findings"]} == {"q_out", "k_out"}
+
+
+def test_088_the_adapter_calls_one_table_for_shared_positions_and_one_per_sequence_otherwise():
+    adapt = PROBLEMS["rope_cos_sin"].adapt
+    q, k, pos, inv = SLOTS["rope"].make_inputs(torch.Generator().manual_seed(0), "cpu", batch=3, head_dim=8)
+    calls = []
+
+    def run(query, key, cos, sin):
+        calls.append((query.shape[0], tuple(cos.shape)))
+        return l1_088_reference(query, key, cos, sin)
+
+    want = SLOTS["rope"].reference(q, k, pos, inv)
+    got = adapt(run, q, k, pos, inv)
+    assert calls == [(3, (64, 8))] and all(torch.equal(a, b) for a, b in zip(got, want))
+    calls.clear()
+    packed = pos.clone()
+    packed[1] = torch.arange(64).remainder(17)  # another sequence's positions restart: packed documents
+    got = adapt(run, q, k, packed, inv)
+    assert calls == [(1, (64, 8))] * 3
+    assert all(torch.allclose(a, b) for a, b in zip(got, SLOTS["rope"].reference(q, k, packed, inv)))
+
+
+def l1_088_reference(query, key, cos, sin):
+    ns = {}
+    exec(l1_088.REFERENCE, ns)
+    return ns["run"](query, key, cos, sin)

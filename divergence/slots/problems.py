@@ -49,8 +49,10 @@ class Problem:
 
 
 def _signature(slot: str, inputs: tuple, outputs: tuple, axes: dict, specs: Callable, doc: str) -> Contract:
+    from . import SLOTS
+
     return Contract(name=slot, inputs=inputs, outputs=outputs, reference=None, oracle=None, make_inputs=None,
-                    shapes={}, doc=doc, output_specs=specs, axes=axes)
+                    shapes={}, doc=doc, output_specs=specs, axes=axes, contiguous=SLOTS[slot].contiguous)
 
 
 def _one(out):
