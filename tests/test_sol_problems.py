@@ -28,6 +28,7 @@ from divergence.slots.problems import PROBLEMS
 FIXTURES = Path(__file__).parent / "fixtures" / "sol"
 sys.path.insert(0, str(FIXTURES))
 import flashinfer_rmsnorm  # noqa: E402
+import l1_013  # noqa: E402
 import l1_046  # noqa: E402
 import l1_088  # noqa: E402
 
@@ -48,6 +49,7 @@ def failed(res) -> set:
     (l1_046, "l1_046", {}),
     (flashinfer_rmsnorm, "rmsnorm_h4096", {"hidden": 4096}),
     (l1_088, "l1_088", {}),
+    (l1_013, "l1_013", {}),
 ])
 def test_shipped_fixtures_are_the_generators_output(tmp_path, module, folder, args):
     module.write(tmp_path, **args)
@@ -282,3 +284,57 @@ def l1_088_reference(query, key, cos, sin):
     ns = {}
     exec(l1_088.REFERENCE, ns)
     return ns["run"](query, key, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------- L1/013
+
+
+@pytest.fixture(scope="module")
+def sol013(tmp_path_factory):
+    return l1_013.write(tmp_path_factory.mktemp("l1_013"), hidden=256)  # the problem's 2560, shrunk for the CPU
+
+
+def test_013_maps_onto_rmsnorm_backward_with_its_mixed_dtypes(sol013):
+    defn = load_definition(sol013["blocked-fp32"].parent / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("rmsnorm_backward", "residual_rmsnorm_bwd")
+    assert m.declared == {"hidden": 256, "dtypes": {"rmsnorm_backward": {"grad_output": "bfloat16", "x": "float32",
+                                                                         "weight": "float32"}}}
+    assert workload_shapes(defn, "rmsnorm_backward")[1] == {"hidden": 256, "batch": 2, "seq": 512}
+    # the slot's grad_x takes grad_output's dtype, as the problem's grad_hidden_states does
+    assert SLOTS["rmsnorm_backward"].output_specs(declare(SLOTS["rmsnorm_backward"], m.declared))[0][1] == \
+        torch.bfloat16
+
+
+def declare(contract, declared):
+    from divergence.slots.problems import declare_inputs
+
+    return declare_inputs(contract, contract.make_inputs(torch.Generator().manual_seed(0), "cpu", rows=4, hidden=256),
+                          declared)
+
+
+def test_013_the_adapter_derives_normalized_and_rstd_as_the_forward_saved_them():
+    seen = {}
+
+    def run(grad_output, x, normalized, rstd, weight):
+        seen.update(x=x, normalized=normalized, rstd=rstd, go=grad_output)
+        gx = torch.zeros_like(grad_output)
+        return gx, gx.clone(), torch.zeros_like(weight)
+
+    go, x, w, eps = SLOTS["rmsnorm_backward"].make_inputs(torch.Generator().manual_seed(0), "cpu", rows=6, hidden=8)
+    PROBLEMS["residual_rmsnorm_bwd"].adapt(run, go, x, w, eps)
+    assert seen["x"].shape == (1, 6, 8) and seen["rstd"].shape == (1, 6, 1) and seen["rstd"].dtype == torch.float32
+    assert torch.allclose(seen["rstd"][0, :, 0], torch.rsqrt(x.double().pow(2).mean(-1) + eps).float())
+    assert torch.equal(seen["normalized"], x.float().reshape(1, 6, 8) * seen["rstd"])
+
+
+def test_013_the_probe_passes_another_fp32_order_and_fails_bf16_accumulation_and_a_stale_residual(sol013, tmp_path):
+    fams = ["contract", "largest", "workload-2x512"]
+    rc, res = probe(tmp_path, sol013["blocked-fp32"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    rc, res = probe(tmp_path, sol013["bf16-weight-grad"], fams)
+    assert rc == 1 and failed(res) == set(fams)
+    assert {f["output"] for f in res["findings"]} == {"grad_weight"}
+    rc, res = probe(tmp_path, sol013["stale-residual"], fams)
+    assert rc == 1 and {f["check"] for f in res["findings"]} == {"exception"}
+    assert all("grad_residual is not grad_hidden_states" in f["detail"] for f in res["findings"])
