@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -140,24 +141,61 @@ def watch_arm(out_dir) -> None:
     threading.Thread(target=loop, name="gpu-memory", daemon=True).start()
 
 
-_TENANTS: dict = {}  # token -> (GPU id, folder): this process's probes on a GPU, each with its MEMORY_FILE there
-
-
 @contextmanager
-def tenant(gpu: str, folder):
-    """While inside: work of this process (a probe's workers) is on GPU `gpu` (gpu_id's name), its memory recorded
-    in `folder` (watch_arm): the A/B's scheduler in this process counts what it may yet take (ab/memory.Placer)."""
-    token = object()
-    _TENANTS[token] = (gpu, Path(folder))
+def tenant(lock: "GpuLock", folder):
+    """While inside: this process's work (a probe's workers) is on `lock`'s GPU, its memory recorded in `folder`
+    (watch_arm), so that an A/B's scheduler, in this process or another, counts what it may yet take
+    (ab/memory.Placer). Said by a file beside the GPU's lock files, named by this process's id: a killed
+    process's file is passed over (and removed) by whoever reads it."""
+    where = lock.root / f"{_safe(lock.gpu)}.tenants"
+    mine = where / f"{os.getpid()}-{next(_COUNT)}"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        mine.write_text(str(Path(folder).resolve()))
+    except OSError:  # no lock folder to write (GpuLock says so): the scheduler counts only what the GPU shows
+        mine = None
     try:
         yield
     finally:
-        _TENANTS.pop(token, None)
+        if mine is not None:
+            try:
+                mine.unlink()
+            except OSError:
+                pass
 
 
-def tenants(gpu: str) -> list:
-    """The folders of this process's work on GPU `gpu` (tenant)."""
-    return [folder for g, folder in list(_TENANTS.values()) if g == gpu]
+def tenants(lock: "GpuLock") -> list:
+    """The record folders of the work now on `lock`'s GPU (tenant), from every live process."""
+    where = lock.root / f"{_safe(lock.gpu)}.tenants"
+    try:
+        files = list(where.iterdir())
+    except OSError:
+        return []
+    out = []
+    for f in files:
+        try:
+            pid = int(f.name.split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                f.unlink()
+            except OSError:
+                pass
+            continue
+        except (ValueError, PermissionError):  # not ours to judge: counted
+            pass
+        try:
+            out.append(Path(f.read_text().strip()))
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
+_COUNT = itertools.count()
+
+
+def _safe(gpu: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", gpu)
 
 
 def mem_get_info(index: int) -> tuple:
@@ -221,7 +259,7 @@ class GpuLock:
     def __init__(self, gpu: str, root: Optional[Path] = None):
         self.gpu = gpu
         self.root = Path(root) if root is not None else lock_root()
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu)
+        name = _safe(gpu)
         self._paths = {k: self.root / f"{name}.{k}" for k in ("gate", "lock")}
         self._fds = {}  # "gate" / "lock" -> descriptor this process holds a lock through
         self.state = None

@@ -303,10 +303,11 @@ def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     placer.started(one, 0, None)
     placer.tidy()
     assert placer.decide(two) == (memory.GO, 0)  # no probe on the GPU
-    with G.tenant("sim-0", first):
+    sim = G.GpuLock("sim-0", tmp_path / "locks")
+    with G.tenant(sim, first):
         placer._observed_at = 0.0
         placer.observe()
     assert placer.probe_need == 40 * GiB
-    with G.tenant("sim-0", now):
+    with G.tenant(sim, now):
         assert placer.decide(two) == (memory.WAIT, None)
     assert placer.decide(two) == (memory.GO, 0)

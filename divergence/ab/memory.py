@@ -135,7 +135,7 @@ class Placer:
                 if kind(job) in self.measured:
                     self._learn(job)
         for i, live in enumerate(self.live):
-            probes = G.tenants(self.locks[i].gpu)
+            probes = G.tenants(self.locks[i])
             for folder in probes:
                 self.probe_need = max(self.probe_need, read_record(folder, self.context) or 0)
             if probes:  # its memory would count as the arm's
@@ -177,7 +177,7 @@ class Placer:
     def _probes_yet_to_take(self, i: int) -> int:
         """What this process's probes on GPU `i` may still take: the most a probe has needed here, less what each
         holds now (their sweeps run beside the arms: ab/soak.py, ab/run.py)."""
-        return sum(max(0, self.probe_need - (read_record(f, self.context) or 0)) for f in G.tenants(self.locks[i].gpu))
+        return sum(max(0, self.probe_need - (read_record(f, self.context) or 0)) for f in G.tenants(self.locks[i]))
 
     # -------------------------------------------------------------------------------------------------- deciding
 
@@ -213,9 +213,10 @@ class Placer:
                 continue  # another process has it alone, or waits to
             if lock.state != "shared" or (live and lock.contended()):
                 continue
-            if not live:
+            if not live and (need is None or not G.tenants(lock)):
                 # Nothing of this run there: it goes, whatever others hold (were it to run out of memory, it
-                # trains again alone: waiting for room others may never give up could wait for ever).
+                # trains again alone: waiting for room others may never give up could wait for ever). Beside a
+                # probe it waits for room where its need is known: the probe ends.
                 return GO, i
             if need is None:
                 continue

@@ -27,7 +27,6 @@ Prepared builds them once. A spawned worker builds them itself, on its own devic
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -195,7 +194,7 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None, 
     """The worker: load the candidate, then run families as asked until told to stop. `prepared`: the parent's
     call.Prepared when forked (its families built there), else None: built here."""
     _become_worker(log_path, device)
-    if device == "cuda":  # its memory, for the A/B's scheduler beside it (gpu.tenant)
+    if device == "cuda":  # its memory, for an A/B's scheduler beside it (gpu.tenant: probe/run.py)
         G.watch_arm(Path(log_path).parent)
     from ...slots import SLOTS
     from . import call  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
@@ -453,14 +452,11 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     if _context(device)[1]:
         prepare_all(SLOTS[slot], fams, seed, device, prepared)
     gpu = gpu_for(device)
-    stay = contextlib.ExitStack()
     if gpu is not None:
         gpu.lock.wait("shared", limits.alone_s)  # not had (someone has the GPU alone that long): on, unlocked
-        stay.enter_context(G.tenant(gpu.lock.gpu, Path(log).parent))
     try:
         worker = _start(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
     except BaseException:
-        stay.close()
         if gpu is not None:
             gpu.lock.release()
         raise
@@ -508,7 +504,6 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
     finally:
         if worker is not None:
             worker.close()
-        stay.close()
         if gpu is not None:
             gpu.lock.release()
     return meta, findings, ran, notes

@@ -10,6 +10,7 @@ the first call). Findings go to a table and probe.json; a family's seed follows 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -20,10 +21,11 @@ from typing import Callable, Optional
 
 import torch
 
+from ... import gpu as G
 from ...device import pick_device
 from ...errors import UserError
 from ..rule import RATIO
-from . import checks
+from . import checks, isolate
 from . import shapes as shaped
 from .isolate import NOT_ALONE
 from .magnitudes import compact
@@ -67,6 +69,17 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     contract = SLOTS[slot]
     device = device_from_flag(device)
     seed = fresh_seed() if seed is None else int(seed)
+    with contextlib.ExitStack() as stay:
+        if device == "cuda":  # the whole probe (its captured families' training run too) is on cuda:0, where an
+            # A/B's scheduler counts what it may yet take (ab/memory.Placer); its workers record their memory here
+            gpu = isolate.gpu_for(device)
+            stay.enter_context(G.tenant(gpu.lock, out_dir))
+        return _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only, echo, shapes, limits,
+                      recipe, prepared, workloads)
+
+
+def _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only, echo, shapes, limits, recipe,
+           prepared, workloads) -> dict:
     fams, notes, others = _families(slot, device, shapes, recipe, only, workloads)
     budget = shaped.budget(device, shapes, BUDGET_S[device]) if budget_s is None else budget_s
     t0 = time.perf_counter()
