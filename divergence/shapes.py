@@ -31,6 +31,7 @@ AXES = {
     "kv_heads": "key heads of a grouped-query op (probe workloads only)",
     "q_seq": "query positions of attention scores (probe workloads only)",
     "k_seq": "key positions of attention scores (probe workloads only)",
+    "elements": "elements of a flattened elementwise op (probe workloads only)",
 }
 # Constants a problem bakes in, declared as numbers beside the axes.
 CONSTANTS = {

@@ -30,6 +30,7 @@ sys.path.insert(0, str(FIXTURES))
 import flashinfer_rmsnorm  # noqa: E402
 import l1_013  # noqa: E402
 import l1_046  # noqa: E402
+import l1_084  # noqa: E402
 import l1_088  # noqa: E402
 
 
@@ -50,6 +51,7 @@ def failed(res) -> set:
     (flashinfer_rmsnorm, "rmsnorm_h4096", {"hidden": 4096}),
     (l1_088, "l1_088", {}),
     (l1_013, "l1_013", {}),
+    (l1_084, "l1_084", {}),
 ])
 def test_shipped_fixtures_are_the_generators_output(tmp_path, module, folder, args):
     module.write(tmp_path, **args)
@@ -338,3 +340,52 @@ def test_013_the_probe_passes_another_fp32_order_and_fails_bf16_accumulation_and
     rc, res = probe(tmp_path, sol013["stale-residual"], fams)
     assert rc == 1 and {f["check"] for f in res["findings"]} == {"exception"}
     assert all("grad_residual is not grad_hidden_states" in f["detail"] for f in res["findings"])
+
+
+# ---------------------------------------------------------------------------------------------- L1/084
+
+
+@pytest.fixture(scope="module")
+def sol084(tmp_path_factory):
+    return l1_084.write(tmp_path_factory.mktemp("l1_084"))
+
+
+def test_084_maps_onto_swiglu_backward_through_silu_backward(sol084):
+    defn = load_definition(sol084["sigmoid-given"].parent / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("swiglu_backward", "silu_backward")
+    assert m.declared == {"dtypes": {"swiglu_backward": {"grad_output": "float32", "gate": "float32",
+                                                         "up": "float32"}}}
+    assert [w["elements"] for w in workload_shapes(defn, "swiglu_backward")] == [131, 4096, 1000003, 16777216]
+
+
+def test_084_the_probe_passes_the_given_sigmoid_and_fails_exp_overflow(sol084, tmp_path):
+    fams = ["contract", "scale-1000", "workload-131"]
+    rc, res = probe(tmp_path, sol084["sigmoid-given"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    rc, res = probe(tmp_path, sol084["exp-recompute"], fams)
+    assert rc == 1 and failed(res) == {"scale-1000"}  # gates below -88: exp(-gate) is inf, inf / inf NaN
+    assert {(f["check"], f["output"]) for f in res["findings"]} == {("nonfinite", "grad_gate")}
+
+
+def test_the_mlp_pairs_swiglu_with_its_backward_slot_when_that_is_not_the_plain_reference():
+    """The MLP's backward is the swiglu_backward slot's wherever that slot holds anything but the unwatched
+    reference (a candidate, a null, declared dtypes, a tap): the candidate's gradients are the ones trained on."""
+    from divergence.candidates.resolve import build_kernels
+    from divergence.model import build_model
+    from divergence.recipe import load_recipe
+    from divergence.slots.registry import Impl
+
+    r = load_recipe("tiny")
+    ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    grads = {}
+    for name, scale in (("reference", 1.0), ("doubled", 2.0)):
+        def bwd(grad_output, gate, up, scale=scale):
+            gg, gu = SLOTS["swiglu_backward"].reference(grad_output, gate, up)
+            return gg * scale, gu
+        impl = None if name == "reference" else Impl("swiglu_backward", name, bwd, role="candidate")
+        kernels = build_kernels({"swiglu_backward": impl}, {"vocab_size": 64})
+        model = build_model(r.model, 64, kernels, 0)
+        model(ids, targets).backward()
+        grads[name] = model.blocks[-1].mlp.gate.weight.grad  # the last layer: its upstream gradient is the same
+    assert torch.allclose(grads["doubled"], 2 * grads["reference"], rtol=1e-4, atol=1e-9)

@@ -2,7 +2,8 @@
 
 - `fused_embed_rmsnorm` is a backward kernel: the forward (gather + RMSNorm) is fixed, and the slot computes the
   embedding and norm-weight gradients, which become the parameters' `.grad`.
-- `rmsnorm` forward and `rmsnorm_backward` are a pair of slots joined in one autograd.Function.
+- `rmsnorm` forward and `rmsnorm_backward` are a pair of slots joined in one autograd.Function; so are `swiglu` and
+  `swiglu_backward` where the backward is not the plain reference (else `swiglu` is a forward slot as below).
 - Forward slots (`rope`, `attn_softcap`, `swiglu`, `cross_entropy`): the implementation's output flows forward; a
   non-reference implementation gets its gradients from the reference's vector-Jacobian product at the same inputs,
   so a wrong forward shows up as wrong activations, not as a second, unrelated gradient bug.
@@ -70,6 +71,33 @@ class RMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx, gw = ctx.kernels("rmsnorm_backward", grad_output.contiguous(), x, weight, ctx.eps)
         return gx.to(x.dtype), gw.to(weight.dtype), None, None
+
+
+class SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, kernels):
+        ctx.save_for_backward(gate, up)
+        ctx.kernels = kernels
+        return kernels("swiglu", gate, up)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        gate, up = ctx.saved_tensors
+        gg, gu = ctx.kernels("swiglu_backward", grad_output.contiguous(), gate, up)
+        return gg.to(gate.dtype), gu.to(up.dtype), None
+
+
+def call_swiglu(kernels, gate, up):
+    """The MLP's gate: the `swiglu` slot with the reference's VJP (call_forward_slot) while `swiglu_backward` is the
+    plain reference, else the pair in one autograd.Function."""
+    if kernels.is_plain("swiglu_backward"):
+        return call_forward_slot(kernels, "swiglu", gate, up)
+    return declared(kernels, "swiglu", (gate, up), lambda g, u: observed_swiglu(g, u, kernels))
+
+
+@torch.compiler.disable
+def observed_swiglu(gate, up, kernels):
+    return SwiGLU.apply(gate, up, kernels) if torch.is_grad_enabled() else kernels("swiglu", gate, up)
 
 
 class ForwardSlot(torch.autograd.Function):

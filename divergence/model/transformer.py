@@ -3,7 +3,7 @@
     ids -> [fused_embed_rmsnorm] -> blocks x n_layers -> [rmsnorm] -> head (-> final softcap) -> [cross_entropy]
     block: x + attn([rmsnorm](x)), then x + mlp([rmsnorm](x))
     attn:  qkv -> [rope] -> q k^T / sqrt(hd) -> causal mask -> [attn_softcap] (or SDPA without a cap) -> @ v -> proj
-    mlp:   [swiglu](x W_gate, x W_up) W_down
+    mlp:   [swiglu](x W_gate, x W_up) W_down            (its backward: [swiglu_backward])
 The embedding's only consumer is the initial RMSNorm (SOL-ExecBench L1/087's pattern), so the embedding gradient
 is exactly what the `fused_embed_rmsnorm` slot computes.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..slots import rope
 from ..slots.registry import Kernels
-from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, declared, observed_rmsnorm
+from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, call_swiglu, declared, observed_rmsnorm
 from .rope_scaling import model_inv_freq
 
 PARAM_GROUPS = ("embedding", "norms", "attention", "mlp", "head")
@@ -73,7 +73,7 @@ class MLP(nn.Module):
         self.kernels = kernels
 
     def forward(self, x):
-        return self.down(call_forward_slot(self.kernels, "swiglu", self.gate(x), self.up(x)))
+        return self.down(call_swiglu(self.kernels, self.gate(x), self.up(x)))
 
 
 class Block(nn.Module):

@@ -12,6 +12,7 @@ reference, which the cross-check runs through the same adapter before anything i
     rmsnorm_rows         FlashInfer-Bench rmsnorm_h{128..7168}  rmsnorm           x as [rows, H]
     rope_cos_sin         L1/088                                 rope              cos/sin [S, D] from the positions
     residual_rmsnorm_bwd L1/013                                 rmsnorm_backward  normalized, rstd from x and eps
+    silu_backward        L1/084                                 swiglu_backward   SiLU's backward of grad_out * up
 
 What a problem bakes in (a softcap, an eps) is no input of its `run`: the slot's input of that name is set to the
 declared value wherever the slot is called under such a problem (`baked`: slot input -> declared constant; the
@@ -214,7 +215,38 @@ RESIDUAL_RMSNORM_BWD = Problem(
 )
 
 
-PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD)}
+# ------------------------------------------------------------------------------------- silu_backward (L1/084)
+
+
+def _silu_backward_adapt(run, grad_output, gate, up):
+    """The gate's gradient is SiLU's backward of grad_output * up: the kernel gets that product, the gate and its
+    sigmoid, flattened (the problem's tensors are 1-D), each rounded as the slot's reference rounds them. The up
+    gradient, grad_output * silu(gate), is no part of the problem: computed here as the reference does."""
+    g = gate.reshape(-1)
+    go = (grad_output.float() * up.float()).to(gate.dtype).reshape(-1)
+    s = torch.sigmoid(g.float()).to(gate.dtype)
+    grad_gate = _one(run(go, g, s)).reshape(gate.shape)
+    gf = gate.float()
+    return grad_gate, (grad_output.float() * (gf * torch.sigmoid(gf))).to(up.dtype)
+
+
+SILU_BACKWARD = Problem(
+    name="silu_backward",
+    slot="swiglu_backward",
+    contract=_signature(
+        "swiglu_backward", ("grad_output", "x", "sigmoid_x"), ("grad_input",),
+        {"grad_output": (FLOATS, ("elements",)), "x": (FLOATS, ("elements",)), "sigmoid_x": (FLOATS, ("elements",)),
+         "grad_input": (FLOATS, ("elements",))},
+        lambda inputs: [(tuple(inputs[1].shape), inputs[1].dtype)],
+        "run(grad_output[n], x[n], sigmoid_x[n]) -> grad_input = grad_output * s * (1 + x * (1 - s)), s = sigmoid_x"),
+    adapt=_silu_backward_adapt,
+    dtypes={"grad_output": "grad_output", "gate": "x", "up": "x"},
+    problems="L1/084 silu_activation_backward",
+    model="the gate's gradient in every MLP's backward, its upstream gradient grad_output * up",
+)
+
+
+PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD, SILU_BACKWARD)}
 
 
 def for_slot(slot: str) -> list:

@@ -45,6 +45,7 @@ BATCHED = {
     "rope": ("q", "k", "position_ids"),
     "attn_softcap": ("scores",),
     "swiglu": ("gate", "up"),
+    "swiglu_backward": ("grad_output", "gate", "up"),
     "cross_entropy": ("logits", "targets"),
 }
 # The code whose change changes what is captured: a new version is captured afresh.

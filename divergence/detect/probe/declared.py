@@ -1,4 +1,4 @@
-"""The input families of rmsnorm, rmsnorm_backward, rope and attn_softcap at declared shapes: a problem's axes, the
+"""The input families of rmsnorm, rmsnorm_backward, rope, attn_softcap and swiglu_backward at declared shapes: a problem's axes, the
 dtypes it calls the slot in and the constants it bakes in (slots/problems.py), with the variable axes from one row
 up to the device's size, and the definition's own workloads.
 
@@ -19,14 +19,14 @@ from dataclasses import replace
 
 import torch
 
-from ...slots import SLOTS, rmsnorm, rmsnorm_backward, rope
+from ...slots import SLOTS, rmsnorm, rmsnorm_backward, rope, swiglu_backward
 from ...slots.problems import CONSTANT_INPUTS, declare_inputs, declared_dtypes
 from . import inputs as fi
 from .magnitudes import GRID, Sweep, _family as _scaled_family
 
 ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 WORKLOAD_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}  # a workload family's input elements, at most
-SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "rope", "attn_softcap")
+SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "rope", "attn_softcap", "swiglu_backward")
 
 
 def _dtype(shapes: dict, slot: str, name: str):
@@ -131,8 +131,25 @@ def _rope_families(shapes: dict, device: str) -> list:
     ]
 
 
+def _swiglu_bwd_families(shapes: dict, device: str) -> list:
+    ff = shapes.get("ff", 176)
+    dt = _dtype(shapes, "swiglu_backward", "gate")
+    s = lambda *a, **kw: fi._swiglu(*a, dtype=dt, mod=swiglu_backward, **kw)  # noqa: E731
+    return [
+        s("contract", 256, ff, deep=True),
+        s("scale-0.01", 256, ff, scale=0.01),
+        s("scale-30", 256, ff, scale=30.0),
+        s("scale-1000", 256, ff, scale=1000.0),  # exp(-gate) overflows fp32 past 88
+        s("odd", 37, ff + 1 if ff % 2 == 0 else ff),
+        s("batch-1", 1, ff),
+        s("largest", max(1, min(fi.PRODUCTION_TOKENS, ELEMENTS[device] // ff)), ff),
+        fi.long_run(s("contract", 256, ff)),
+    ]
+
+
 BUILDERS = {
     "attn_softcap": _softcap_families,
+    "swiglu_backward": _swiglu_bwd_families,
     "rmsnorm": lambda shapes, device: _norm_families(rmsnorm, shapes, device),
     "rmsnorm_backward": lambda shapes, device: _norm_families(rmsnorm_backward, shapes, device),
     "rope": _rope_families,
@@ -184,9 +201,20 @@ def _rope_workload(w: dict, dt):
         b * (h + kvh) * s * hd, build
 
 
+def _swiglu_bwd_workload(w: dict, dt):
+    n = w["elements"] if "elements" in w else w.get("rows", 1) * w.get("ff", 176)
+    rows, ff = (1, n) if "elements" in w else (w.get("rows", 1), w.get("ff", 176))
+
+    def build(gen, device):
+        return fi.Case(tuple(swiglu_backward.make_inputs(gen, device, rows=rows, ff=ff, dtype=dt)))
+
+    return f"workload-{n}", dict(rows=rows, ff=ff), 3 * n, build
+
+
 WORKLOADS = {"attn_softcap": _softcap_workload, "rmsnorm": _norm_workload(rmsnorm),
-             "rmsnorm_backward": _norm_workload(rmsnorm_backward), "rope": _rope_workload}
-FIRST_INPUT = {"attn_softcap": "scores", "rmsnorm": "x", "rmsnorm_backward": "x", "rope": "q"}
+             "rmsnorm_backward": _norm_workload(rmsnorm_backward), "rope": _rope_workload,
+             "swiglu_backward": _swiglu_bwd_workload}
+FIRST_INPUT = {"attn_softcap": "scores", "rmsnorm": "x", "rmsnorm_backward": "x", "rope": "q", "swiglu_backward": "gate"}
 
 
 def _workload_families(slot: str, workloads: list, shapes: dict, device: str) -> tuple:
@@ -240,4 +268,4 @@ def recipe_declares(recipe, shapes: dict) -> bool:
     its captured families are then the problem's too (the A/B's preflight probe)."""
     have = getattr(recipe, "shapes", None) or {}
     return all(have.get(k) == v for k, v in shapes.items() if k not in ("batch", "seq", "rows", "kv_heads",
-                                                                       "q_seq", "k_seq"))
+                                                                       "q_seq", "k_seq", "elements"))

@@ -16,7 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu
+from ...slots import (attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu,
+                      swiglu_backward)
 from . import longrun
 
 FREQUENT_ROWS = 16  # rows checked one by one in a scatter output: the most frequent ids, those seen twice or more
@@ -288,26 +289,28 @@ def softcap_families() -> list:
     ]
 
 
-def _swiglu(name, rows, ff, scale=1.0, dtype=torch.float32, **kw):
+def _swiglu(name, rows, ff, scale=1.0, dtype=torch.float32, mod=swiglu, **kw):
+    """swiglu / swiglu_backward (`mod`): `scale` multiplies the gate."""
     def build(gen, device):
-        return Case(swiglu.make_inputs(gen, device, rows=rows, ff=ff, scale=scale, dtype=dtype))
+        return Case(mod.make_inputs(gen, device, rows=rows, ff=ff, scale=scale, dtype=dtype))
 
     return Family(name, _shape(dict(rows=rows, ff=ff), dtype, scale=(scale, 1.0)), build, **kw)
 
 
-def swiglu_families() -> list:
+def swiglu_families(mod=swiglu) -> list:
+    s = lambda *a, **kw: _swiglu(*a, mod=mod, **kw)  # noqa: E731
     return [
-        _swiglu("contract", 256, 176, deep=True),
-        _swiglu("scale-0.01", 256, 176, scale=0.01),
-        _swiglu("scale-30", 256, 176, scale=30.0),
-        _swiglu("scale-1000", 256, 176, scale=1000.0),  # sigmoid saturates: exp overflows in fp32
-        _swiglu("bf16", 256, 176, dtype=torch.bfloat16),
-        _swiglu("odd", 37, 177),
-        _swiglu("ff-4000", 16, 4000),
-        _swiglu("batch-1", 1, 176),
-        _swiglu("long", 16384, 176),
-        long_run(_swiglu("contract", 256, 176)),
-        _swiglu("production", PRODUCTION_TOKENS, 64),  # ff 64: the oracle of 176 took 1.7 s here
+        s("contract", 256, 176, deep=True),
+        s("scale-0.01", 256, 176, scale=0.01),
+        s("scale-30", 256, 176, scale=30.0),
+        s("scale-1000", 256, 176, scale=1000.0),  # sigmoid saturates: exp overflows in fp32
+        s("bf16", 256, 176, dtype=torch.bfloat16),
+        s("odd", 37, 177),
+        s("ff-4000", 16, 4000),
+        s("batch-1", 1, 176),
+        s("long", 16384, 176),
+        long_run(s("contract", 256, 176)),
+        s("production", PRODUCTION_TOKENS, 64),  # ff 64: the oracle of 176 took 1.7 s here
     ]
 
 
@@ -350,6 +353,7 @@ FAMILIES: dict = {  # slot -> its families, given the real text (which only two 
     "rope": lambda text: rope_families(),
     "attn_softcap": lambda text: softcap_families(),
     "swiglu": lambda text: swiglu_families(),
+    "swiglu_backward": lambda text: swiglu_families(swiglu_backward),
     "cross_entropy": ce_families,
 }
 

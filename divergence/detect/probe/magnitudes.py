@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import SLOTS, attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu
+from ...slots import (SLOTS, attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu,
+                      swiglu_backward)
 from .inputs import Case, Family, frequent_rows, zipf_ids
 
 GRID = tuple(10.0 ** e for e in range(-8, 5) if e != 0)  # 1e-8 .. 1e4; 1 is the contract's own families
@@ -67,6 +68,8 @@ SWEEPS: dict = {
     "attn_softcap": Sweep(_plain(attn_softcap, batch=2, heads=2, seq=64), {"scores": 30.0, "cap": 20.0},
                           dict(batch=2, heads=2, seq=64)),
     "swiglu": Sweep(_plain(swiglu, rows=256, ff=176), {"gate": 1.0, "up": 1.0}, dict(rows=256, ff=176)),
+    "swiglu_backward": Sweep(_plain(swiglu_backward, rows=256, ff=176), {"grad_output": 1e-3, "gate": 1.0, "up": 1.0},
+                             dict(rows=256, ff=176)),
     "cross_entropy": Sweep(_plain(cross_entropy, rows=256, vocab=512), {"logits": 3.0}, dict(rows=256, vocab=512)),
 }
 

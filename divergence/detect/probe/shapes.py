@@ -199,7 +199,9 @@ def _declared(slot, device, shapes, recipe, workloads, text) -> tuple:
     else:
         notes.append("captured families skipped: the probe's recipe does not train at the declared shapes (the "
                      "A/B's own probe captures at them)")
-    other = [replace(f, name=OTHER + f.name) for f in synthetic_families(slot, device, text)[0] if f.name == "contract"]
+    # the contract family at its own shapes, where the declared ones differ from them
+    other = [replace(f, name=OTHER + f.name) for f in synthetic_families(slot, device, text)[0]
+             if f.name == "contract" and f.shape != declared[0].shape]
     return declared + other, notes, {f.name for f in other}
 
 
