@@ -41,10 +41,25 @@ def reference(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, 
     return ge.to(torch.bfloat16), gw.to(torch.bfloat16)
 
 
+# Tokens per slice of the oracle: a slice's float64 temporaries (tokens x hidden) stay at 2^25 elements, 256 MiB.
+# Whole, at a declared workload of 262,144 tokens x hidden 4096, the float64 copies and temporaries took tens of GiB:
+# the probe's worker reserved 30-56 GiB on an H100 beside a soak's arms of 35 GiB each (2026-11-27).
+ORACLE_SLICE_ELEMENTS = 1 << 25
+
+
 def oracle(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
-    dh, gw = row_grads(grad_output, hidden_states_fp32, rstd, norm_weight, torch.float64)
-    ge = torch.zeros(vocab_size, dh.shape[-1], dtype=torch.float64, device=dh.device)
-    ge.index_add_(0, input_ids.reshape(-1), dh)
+    """row_grads in float64, a slice of tokens at a time (each token's row is its own; the sums over tokens add
+    up across slices in float64), inputs promoted slice by slice (Contract.oracle_promotes)."""
+    hidden = hidden_states_fp32.shape[-1]
+    g, h = grad_output.reshape(-1, hidden), hidden_states_fp32.reshape(-1, hidden)
+    r, ids = rstd.reshape(-1, 1), input_ids.reshape(-1)
+    ge = torch.zeros(vocab_size, hidden, dtype=torch.float64, device=g.device)
+    gw = torch.zeros(hidden, dtype=torch.float64, device=g.device)
+    step = max(1, ORACLE_SLICE_ELEMENTS // hidden)
+    for a in range(0, g.shape[0], step):
+        dh, part = row_grads(g[a:a + step], h[a:a + step], r[a:a + step], norm_weight, torch.float64)
+        ge.index_add_(0, ids[a:a + step], dh)
+        gw += part
     return ge, gw
 
 
@@ -77,6 +92,7 @@ CONTRACT = Contract(
     outputs=OUTPUTS,
     reference=reference,
     oracle=oracle,
+    oracle_promotes=True,
     make_inputs=make_inputs,
     shapes=dict(batch=4, seq=128, hidden=64, vocab=512),
     doc=__doc__,
