@@ -37,10 +37,17 @@ class Contract:
     axes: Optional[dict] = None
     # Context keys and the axis each one is (fused_embed_rmsnorm: vocab_size is the `vocab` axis).
     context_axes: dict = field(default_factory=dict)
+    # Whether the oracle promotes its inputs to float64 itself, a slice at a time (oracle_inputs then hands them
+    # over unpromoted): at production sizes whole float64 copies of every input and temporary do not fit beside
+    # the arms on one GPU.
+    oracle_promotes: bool = False
     # Outputs are contiguous (row-major), as SOL-ExecBench's destination buffers are; a gradient output becomes a
     # `.grad` or a buffer autograd adds into, where an overlapping layout (an expanded row) breaks in-place updates.
     # False where the reference's own output follows its inputs' layout (rope: views of the fused qkv projection).
     contiguous: bool = True
+    # Inputs that are the model's parameters, written in place by every optimizer step (qkv_proj's weights): the
+    # probe calls again after writing new values into them, as training does between steps.
+    weights: tuple = ()
 
 
 def as_tuple(out) -> tuple:
@@ -48,10 +55,13 @@ def as_tuple(out) -> tuple:
 
 
 def oracle_inputs(contract: Contract, inputs: Sequence) -> list:
-    """Float tensors promoted to float64; indices and scalars untouched."""
+    """Float tensors promoted to float64; indices and scalars untouched. Where the contract's oracle promotes its
+    inputs itself, piece by piece (`oracle_promotes`), they go as they are, detached."""
     out = []
     for name, x in zip(contract.inputs, inputs):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if isinstance(x, torch.Tensor) and contract.oracle_promotes:
+            out.append(x.detach())
+        elif isinstance(x, torch.Tensor) and x.is_floating_point():
             out.append(x.detach().to(torch.float64))
         else:
             out.append(x)
