@@ -198,6 +198,33 @@ def _safe(gpu: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", gpu)
 
 
+# Bytes per parameter an arm holds whatever its batch: fp32 weights and gradients (4 + 4), plus its optimizer's
+# state: AdamW's two moments (8), SGD's momentum buffer (4, where it has momentum), Adafactor's factored moments
+# (counted as nothing: rows plus columns, not rows times columns).
+STATE_BYTES = {"adamw": 8, "adafactor": 0}
+
+
+def least_arm_bytes(n_params: int, optimizers: dict) -> int:
+    """What one arm holds at least, before any activation: weights, gradients and the hungriest optimizer's state.
+    `optimizers`: name -> its settings (recipe.optimizers)."""
+    state = max((STATE_BYTES.get(name, 4 if getattr(cfg, "momentum", 0) else 0)
+                 for name, cfg in optimizers.items()), default=0)
+    return n_params * (8 + state)
+
+
+def check_fits(n_params: int, optimizers: dict, total: int, where: str) -> None:
+    """One line (errors.UserError), before anything runs, where an arm's weights, gradients and optimizer state
+    alone exceed the GPU's memory: no arm could train there, and the run would find out only after its probe."""
+    from .errors import UserError
+
+    need = least_arm_bytes(n_params, optimizers)
+    if need > total:
+        raise UserError(f"{where}: one arm needs at least {gib(need)} for its {n_params:,} parameters' weights, "
+                        f"gradients and {', '.join(sorted(optimizers))} state, before any activation; this GPU has "
+                        f"{gib(total)}: use a smaller model (model.d_model, model.vocab_size, model.n_layers) or a "
+                        f"larger GPU")
+
+
 def mem_get_info(index: int) -> tuple:
     """(free, total) bytes of visible GPU `index`, device-wide (every process's use counted), from the CUDA driver.
     The first call makes this process a CUDA context on that GPU (its A/B already has one on GPU 0: share.py)."""

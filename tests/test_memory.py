@@ -311,3 +311,37 @@ def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     with G.tenant(sim, now):
         assert placer.decide(two) == (memory.WAIT, None)
     assert placer.decide(two) == (memory.GO, 0)
+
+
+def test_a_recipe_too_large_for_the_gpu_is_one_line_before_anything_runs():
+    """Weights, gradients and the hungriest optimizer's state against the card: the `h200-shapes` recipe at hidden
+    4096 and vocabulary 65,536 (about 0.6 B parameters, 9 GiB under AdamW) on a 4 GiB card is refused in one line
+    naming the bytes; on 80 GiB it passes, under every optimizer; the check leaves the global generator alone."""
+    import torch
+
+    from divergence.ab.run import _check_gpu_memory
+    from divergence.errors import UserError
+    from divergence.model.transformer import Transformer
+    from divergence.candidates.resolve import build_kernels
+
+    recipe = load_recipe("h200-shapes", {"model": {"d_model": 4096, "n_heads": 32, "d_ff": 4096,
+                                                   "vocab_size": 65536}})
+    corpus = type("C", (), {"vocab_size": 65536})()
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Transformer(recipe.model, 65536, build_kernels()).parameters())
+    state = torch.random.get_rng_state()
+    with pytest.raises(UserError, match=r"one arm needs at least [\d.]+ GiB .* this GPU has 4.00 GiB"):
+        G.check_fits(n, {"adamw": recipe.optimizers["adamw"]}, 4 * GiB, "h200-shapes")
+    G.check_fits(n, {"adamw": recipe.optimizers["adamw"]}, TOTAL, "h200-shapes")
+    assert G.least_arm_bytes(n, {"adamw": recipe.optimizers["adamw"]}) == 16 * n
+    assert torch.equal(state, torch.random.get_rng_state())
+    orig = G.mem_get_info
+    try:
+        G.mem_get_info = lambda i: (GiB, 4 * GiB)
+        with pytest.raises(UserError, match="h200-shapes"):
+            _check_gpu_memory(recipe, corpus, ["adamw"])
+        G.mem_get_info = lambda i: (TOTAL, TOTAL)
+        _check_gpu_memory(recipe, corpus, ["sgd", "adamw", "adafactor"])
+    finally:
+        G.mem_get_info = orig
+    assert torch.equal(state, torch.random.get_rng_state())

@@ -95,6 +95,8 @@ def cmd_ab(args, publish=None) -> int:
         check_optimizers(opts, recipe, "--optimizers")
     # The text before the candidate, the probe and the arms: no text is one line (exit 2) before anything runs.
     corpus = load_corpus(recipe.data)
+    if device == "cuda":
+        _check_gpu_memory(recipe, corpus, opts)
     # Loads and checks the candidate's signature before any training, in a child process: this one never runs
     # candidate code, so an import that crashes or hangs is one line (exit 2), not the end of `ab`.
     impl = SimpleNamespace(**load_meta(slot, cand))
@@ -115,6 +117,22 @@ def cmd_ab(args, publish=None) -> int:
     probe, probe_error = _probe_outcome(probe, probing)
     return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error,
                      (t_start, t0))
+
+
+def _check_gpu_memory(recipe, corpus, opts) -> None:
+    """Weights, gradients and optimizer state against the GPU's memory (gpu.check_fits), the model built on the
+    meta device (no memory, no time): a recipe too large for the card is one line before the candidate and probe."""
+    import torch
+
+    from .. import gpu as G
+    from ..candidates.resolve import build_kernels
+    from ..model.transformer import Transformer
+    from ..train.arm import model_vocab
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = Transformer(recipe.model, model_vocab(recipe, corpus), build_kernels())
+    n = sum(p.numel() for p in model.parameters())
+    G.check_fits(n, {o: recipe.optimizers[o] for o in opts}, G.mem_get_info(0)[1], str(recipe.path))
 
 
 def _resumed(args) -> tuple:
