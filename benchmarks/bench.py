@@ -254,6 +254,8 @@ def harness_arm(recipe, corpus, steps, workdir: Path, name: str, lockstep=None, 
            "ms_per_step": t["steady_ms_per_step"], "steady_steps": t["steady_steps"], "timings": t,
            "fixed_s": info["wall_s"] - 1e-3 * t["steady_ms_per_step"] * steps,
            "loss_step0": losses[0], "loss_last": losses[-1]}
+    if info.get("sandbox"):
+        res["sandbox"] = info["sandbox"]
     if lockstep:
         res["lockstep"] = {k: info.get("lockstep", {}).get(k) for k in ("candidate", "checked_steps", "wrong", "error",
                                                                          "compiled_metrics", "compile_fallback")}
@@ -693,6 +695,10 @@ def format_table(res: dict) -> str:
                f"eager metrics ({ls['lockstep'].get('compile_fallback') or 'not compiled'})")
         lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}, {how}): {ls['extra_ms_per_step']:+.2f} "
                      f"ms/step ({100 * ls['overhead']:+.1f}% of the harness step)")
+        for slot, t in (ls.get("sandbox") or {}).items():  # the candidate's calls through its kernel server
+            lines.append(f"kernel server ({slot}, {t['calls']} calls): {t['send_ms_per_call']:.2f} ms sending, "
+                         f"{t['wait_ms_per_call']:.2f} ms waiting (the candidate's own {t['run_ms_per_call']:.2f} ms), "
+                         f"{t['receive_ms_per_call']:.2f} ms receiving, per call")
     if res.get("soak"):
         s = res["soak"]
         lines.append(f"soak (divergence ab, {s['arms']} arms x {s['steps_per_arm']} steps): {s['wall_s']:.0f} s, "

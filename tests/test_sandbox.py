@@ -475,7 +475,13 @@ def test_ab_of_a_good_zoo_member_passes_in_its_server(tmp_path, shared_arms, mon
         if mode == "on":
             assert v["candidate"]["sandbox"]["subreaper"] is True
             assert v["candidate"]["sandbox"]["landlock"] == (LANDLOCK or False)
-        walls[mode + " arm"] = json.loads((out / "sgd" / "candidate" / "arm.json").read_text())["wall_s"]
+        info = json.loads((out / "sgd" / "candidate" / "arm.json").read_text())
+        walls[mode + " arm"] = info["wall_s"]
+        if mode == "on":  # where its calls spent their time, one call per training step
+            t = info["sandbox"]["fused_embed_rmsnorm"]
+            assert t["calls"] == 12 and 0 < t["run_ms_per_call"] <= t["wait_ms_per_call"], t
+        else:
+            assert "sandbox" not in info
     arm = Path("sgd") / "candidate" / "metrics.jsonl"
     assert (tmp_path / "on" / arm).read_bytes() == (tmp_path / "off" / arm).read_bytes()
     with capsys.disabled():

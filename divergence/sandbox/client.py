@@ -96,6 +96,28 @@ class ServerDied(CandidateError):
         self.how = how
 
 
+class CallTiming:
+    """Where a server's calls spend their time, summed over calls that returned: `send_s` (the inputs packed, staged
+    and sent), `wait_s` (from sent to the reply's header: the server's unpacking, the candidate's call, its outputs
+    packed), of it `run_s` (the candidate's call until its device work is done, as the server says), and `receive_s`
+    (the outputs and writes taken back). The arm's arm.json `sandbox` keeps it (train/arm.py)."""
+
+    def __init__(self):
+        self.calls, self.send_s, self.wait_s, self.receive_s, self.run_s = 0, 0.0, 0.0, 0.0, 0.0
+
+    def add(self, send: float, wait: float, receive: float, run: float) -> None:
+        self.calls += 1
+        self.send_s += send
+        self.wait_s += wait
+        self.receive_s += receive
+        self.run_s += max(0.0, min(run, wait))  # the server's word, bounded by what we saw
+
+    def summary(self) -> dict:
+        n = max(1, self.calls)
+        ms = {k: round(1000 * getattr(self, k) / n, 3) for k in ("send_s", "wait_s", "run_s", "receive_s")}
+        return {"calls": self.calls, **{k.replace("_s", "_ms_per_call"): v for k, v in ms.items()}}
+
+
 def gpu_reserved() -> tuple:
     """(bytes, servers): the GPU memory peaks this process's live kernel servers reported, summed, and how many of
     them use a GPU; each is a process of its own with its own CUDA context (ab/memory.watch_arm counts both)."""
@@ -123,6 +145,11 @@ def environment(scratch: Path, cache: Path) -> dict:
                # the server's Landlock, under which CUDA does not initialise (kernel_server.confine), and every
                # recompile at a new shape failed there ("InductorError: SubprocException"; one H100 host, 2026-11-27)
                TORCHINDUCTOR_COMPILE_THREADS="1")
+    # OpenMP's threads in the server sleep once a call's parallel work is done, instead of spinning for the next:
+    # spinning, they took the cores the caller needed between calls, and the caller's the server's. On the 2-core
+    # CPU machine (2026-11-27, fused_embed_rmsnorm at 1,024 tokens x 64, zoo:embed_bf16_accum): 15.9 ms a call
+    # through the server against 0.78 ms in-process; 1.84 ms with this. A user's own setting is kept.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
@@ -172,6 +199,7 @@ class KernelServer:
         self.mirrors: dict = {}  # token -> weakref to the storage of ours an output buffer of theirs comes back into
         self.cuda = None  # "ipc" or "copy", decided at the first call with GPU tensors
         self.reserved = 0  # the peak of GPU memory the server's allocator reserved, as its replies say
+        self.timing = CallTiming()
         self._pool = None
         _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.ctl, self.proc, str(self.scratch))
@@ -292,6 +320,7 @@ class KernelServer:
         with self.lock:
             if self.closed:
                 raise CandidateError(f"{self.where}: the kernel server is closed")
+            t0 = time.perf_counter()
             tensors = []
             a = wire.pack(torch, tuple(args), tensors)
             k = wire.pack(torch, dict(kwargs), tensors)
@@ -303,7 +332,9 @@ class KernelServer:
             header = {"op": "call", "args": a, "kwargs": k, "tensors": descs, "storages": storages, "drop": drop,
                       "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", **state}
             self._send(header, bufs + state_bufs)
+            t1 = time.perf_counter()
             h = self._recv()
+            t2 = time.perf_counter()
             try:
                 self._copy_back(h, groups)
                 outs = self._outputs(h, groups) if h.get("ok") else []
@@ -318,6 +349,8 @@ class KernelServer:
                 raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
             if not h.get("ok"):
                 raise _exception(h.get("error") or {}, self.where)
+            run = h.get("run_s")
+            self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run if type(run) is float else 0.0)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
             return ret, late, notes

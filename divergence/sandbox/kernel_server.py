@@ -860,6 +860,7 @@ class Server:
         fn = _echo if msg.get("echo") else self.fn  # echo: the trusted side's check that CUDA IPC works both ways
         hooks = [_hooks(t) for t in args_t]
         before = self.state["snapshot"]()
+        t_run = time.perf_counter()
         try:
             ret = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
@@ -880,6 +881,7 @@ class Server:
                               for i, (a, b) in enumerate(zip(hooks, [_hooks(t) for t in args_t])) if a != b]
             reply["ret"] = pack(torch, ret, out_tensors)
             self.sync()  # an asynchronous kernel error surfaces here, and is the call's
+            reply["run_s"] = time.perf_counter() - t_run  # the candidate's call to its work done on the device
             # With a watch, what goes back is copied at return, and whether it changed `watch` seconds later is said
             reply["changed"], bufs = self.changed_inputs(stores, copy=watch > 0)
             reply["out_storages"], reply["out_tensors"], more = self.pack_outputs(out_tensors, stores, watch > 0)

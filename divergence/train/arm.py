@@ -105,7 +105,8 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     device = resolve_device(recipe)
     corpus = corpus or load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
-    kernels = build_kernels(spec.kernels, {"vocab_size": vocab}, recipe.model.slot_dtypes)
+    kernels = build_kernels(spec.kernels, {"vocab_size": vocab, "head_dim": recipe.model.head_size},
+                            recipe.model.slot_dtypes)
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
@@ -127,6 +128,10 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     _add_rates(info, recipe, module, rec, device)
     if lockstep is not None:
         info["lockstep"] = lockstep.summary()
+    served = {slot: remote.server.timing.summary() for slot, impl in kernels.impls.items()
+              if (remote := getattr(impl.fn, "sandbox", None)) is not None}
+    if served:  # where a candidate's calls spent their time in and around its kernel server (sandbox/client.py)
+        info["sandbox"] = served
     write_json(out / "arm.json", info)
     return info
 
