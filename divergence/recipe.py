@@ -64,6 +64,7 @@ class ModelConfig:
     d_model: int = 64  # width
     n_heads: int = 4  # attention heads; must divide d_model unless head_dim is given
     head_dim: Optional[int] = None  # attention head size; None = d_model / n_heads (Gemma-2: 256, not 3584/16)
+    n_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention: fewer than n_heads); None = n_heads
     d_ff: int = 176  # SwiGLU hidden width
     seq_len: int = 64  # tokens per sequence
     vocab_size: Optional[int] = None  # embedding rows; None takes the tokenizer's size (must not be smaller)
@@ -95,6 +96,8 @@ class ModelConfig:
         for k in ("n_layers", "d_model", "n_heads", "d_ff", "seq_len"):
             if getattr(self, k) <= 0:
                 raise RecipeError(f"{_j(where)}{k}: must be positive, got {getattr(self, k)}")
+        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
+            raise RecipeError(f"{_j(where)}n_kv_heads: {self.n_kv_heads} does not divide n_heads={self.n_heads}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise RecipeError(f"{_j(where)}n_heads: {self.n_heads} does not divide d_model={self.d_model}")
         if self.head_size % 2 or self.head_size <= 0:

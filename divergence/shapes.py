@@ -28,7 +28,7 @@ AXES = {
     "batch": "sequences per call (probe workloads only)",
     "seq": "tokens per sequence (probe workloads only)",
     "rows": "rows of a [rows, hidden] op (probe workloads only)",
-    "kv_heads": "key heads of a grouped-query op (probe workloads only)",
+    "kv_heads": "key and value heads, grouped-query attention (model.n_kv_heads)",
     "q_seq": "query positions of attention scores (probe workloads only)",
     "k_seq": "key positions of attention scores (probe workloads only)",
     "elements": "elements of a flattened elementwise op (probe workloads only)",
@@ -39,7 +39,7 @@ CONSTANTS = {
     "softcap": "attention-logit softcap (model.attn_softcap)",
 }
 DTYPES = ("bfloat16", "float16", "float32")  # what a declared slot input may be cast to
-MODEL_AXES = ("hidden", "vocab", "head_dim", "ff", "heads")
+MODEL_AXES = ("hidden", "vocab", "head_dim", "ff", "heads", "kv_heads")
 
 
 def check_shapes(shapes: dict, where: str) -> dict:
@@ -149,7 +149,8 @@ def model_overrides(model: dict, data: dict, shapes: dict, default) -> tuple:
       recipe's learning rates were written for (train/width.py scales them).
     - vocab: model.vocab_size; a vocabulary smaller than the recipe's tokenizer trains a tokenizer of that size
       (data.vocab_size), a larger one leaves rows unused.
-    - heads: model.n_heads, the width kept (its head size re-derived, unless `head_dim` is declared too).
+    - heads: model.n_heads, the width kept (its head size re-derived, unless `head_dim` is declared too);
+      kv_heads: model.n_kv_heads (grouped-query attention).
     - eps, softcap: model.norm_eps, model.attn_softcap; dtypes: model.slot_dtypes.
     `default`: a ModelConfig() for the keys the recipe leaves out (passed in: recipe.py imports this module).
     """
@@ -176,6 +177,8 @@ def model_overrides(model: dict, data: dict, shapes: dict, default) -> tuple:
         width, h = int(model.get("d_model", width0)), shapes["heads"]
         hd = shapes.get("head_dim") or max(2, width // h // 2 * 2)  # even, for RoPE
         model["n_heads"], model["head_dim"] = h, (None if hd * h == width else hd)
+    if "kv_heads" in shapes:
+        model["n_kv_heads"] = shapes["kv_heads"]
     if "ff" in shapes:
         model["d_ff"] = shapes["ff"]
     if "eps" in shapes:

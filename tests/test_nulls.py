@@ -24,7 +24,7 @@ def _inputs(c, seed, dtype):
 @pytest.mark.parametrize("slot", list(SLOTS))
 def test_every_null_is_as_correct_as_the_reference(slot, dtype):
     c = SLOTS[slot]
-    ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
+    ctx = {k: c.shapes[c.context_axes[k]] for k in c.context}  # vocab_size, head_dim
     for seed in range(3):
         inputs = _inputs(c, seed, dtype)
         ref = as_tuple(c.reference(*inputs, **ctx))
@@ -45,7 +45,7 @@ def test_nulls_are_distinct(slot):
     docs = [resolve(slot, f"null-{k}").meta["doc"] for k in KS]
     assert len(set(docs)) == len(docs), docs
     c = SLOTS[slot]
-    ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
+    ctx = {k: c.shapes[c.context_axes[k]] for k in c.context}  # vocab_size, head_dim
     inputs = _inputs(c, 0, torch.float32)
     bits = []
     for k in (3, 4, 5):
@@ -73,7 +73,7 @@ def test_null_k_draws_its_order_once_per_shape(slot, monkeypatch):
     """null-k's permutation is drawn on its first call at a shape and kept by that null (not by the module): later
     calls at that shape draw none and give the same bits; another shape draws again; a fresh null draws its own."""
     c = SLOTS[slot]
-    ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
+    ctx = {k: c.shapes[c.context_axes[k]] for k in c.context}  # vocab_size, head_dim
     drawn = []
     real = torch.randperm
     monkeypatch.setattr(torch, "randperm", lambda n, **kw: drawn.append(n) or real(n, **kw))

@@ -117,7 +117,7 @@ def test_oracle_and_nulls_agree_with_reference_within_rounding(slot):
         inputs, ctx = zipf_embed_inputs()
     else:
         inputs = c.make_inputs(G())
-        ctx = {"vocab_size": c.shapes.get("vocab", 512)} if c.context else {}
+        ctx = {k: c.shapes[c.context_axes[k]] for k in c.context}  # vocab_size, head_dim
     ref = as_tuple(c.reference(*inputs, **ctx))
     orc = as_tuple(c.oracle(*inputs, **ctx))
     for r, o in zip(ref, orc):

@@ -30,6 +30,7 @@ sys.path.insert(0, str(FIXTURES))
 import flashinfer_rmsnorm  # noqa: E402
 import l1_013  # noqa: E402
 import l1_046  # noqa: E402
+import l1_055  # noqa: E402
 import l1_084  # noqa: E402
 import l1_088  # noqa: E402
 
@@ -52,6 +53,7 @@ def failed(res) -> set:
     (l1_088, "l1_088", {}),
     (l1_013, "l1_013", {}),
     (l1_084, "l1_084", {}),
+    (l1_055, "l1_055", {}),
 ])
 def test_shipped_fixtures_are_the_generators_output(tmp_path, module, folder, args):
     module.write(tmp_path, **args)
@@ -129,7 +131,7 @@ def test_046_the_ab_trains_through_the_adapter_at_the_declared_heads_cap_and_dty
     said = capsys.readouterr().out
     assert "through its softcap_softmax adapter at heads=8, softcap=30" in said
     verdict = json.loads((out / "verdict.json").read_text())
-    assert rc == 1 and verdict["case"] == "failed", verdict["overall"]
+    assert rc == 1 and verdict["case"] == "failed", verdict["summary"]
     arm = json.loads((out / "sgd" / "candidate" / "arm.json").read_text())
     assert arm["status"] == "NAN" and "attn_softcap candidate" in arm["stop_where"]
     plan = json.loads((out / "plan.json").read_text())
@@ -389,3 +391,78 @@ def test_the_mlp_pairs_swiglu_with_its_backward_slot_when_that_is_not_the_plain_
         model(ids, targets).backward()
         grads[name] = model.blocks[-1].mlp.gate.weight.grad  # the last layer: its upstream gradient is the same
     assert torch.allclose(grads["doubled"], 2 * grads["reference"], rtol=1e-4, atol=1e-9)
+
+
+# ------------------------------------------------------------------------------------- L1/055 (qkv_proj)
+
+SMALL055 = dict(hidden=256, heads=4, kv_heads=2, head_dim=64)  # the problem's 2048, 16, 4, 128, shrunk for the CPU
+
+
+@pytest.fixture(scope="module")
+def sol055(tmp_path_factory):
+    return l1_055.write(tmp_path_factory.mktemp("l1_055"), **SMALL055)
+
+
+def test_055_maps_onto_qkv_proj_with_grouped_query_heads(sol055):
+    defn = load_definition(sol055["three-gemms"].parent / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("qkv_proj", None)  # the slot's own signature: no adapter
+    assert m.declared == {**SMALL055, "dtypes": {"qkv_proj": {n: "bfloat16" for n in SLOTS["qkv_proj"].inputs}}}
+    from divergence.recipe import load_recipe
+
+    model = load_recipe("tiny", {"shapes": m.declared}).model
+    assert (model.d_model, model.n_heads, model.n_kv_heads, model.head_size) == (256, 4, 2, 64)
+
+
+def test_055_the_probe_fails_a_weight_cache_keyed_by_address_after_an_in_place_update(sol055, tmp_path):
+    """Exact at every first call; after new weights are written into the same tensors (an optimizer step) the cache
+    answers with the old ones: the stale_weights check of the deep families."""
+    fams = ["contract", "odd"]
+    rc, res = probe(tmp_path, sol055["three-gemms"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    rc, res = probe(tmp_path, sol055["cached-concat"], fams)
+    assert rc == 1
+    stale = [f for f in res["findings"] if f["check"] == "stale_weights"]
+    assert {f["output"] for f in stale} == {"query_states", "key_states", "value_states"}
+    assert all(f["family"] == "contract" and "written in place into q_weight" in f["detail"] for f in stale)
+    assert not [f for f in res["findings"] if f["family"] == "contract" and f["check"] == "error"]  # first call exact
+
+
+def test_055_the_ab_trains_through_the_projection_and_catches_the_stale_cache(sol055, tmp_path):
+    out = tmp_path / "ab"
+    rc = main(["ab", "--candidate", str(sol055["cached-concat"]), "--recipe", "tiny", "--optimizers", "adamw",
+               "--set", "train.steps=8", "--no-wandb", "--out", str(out)])
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert rc == 1, verdict["summary"]
+    lock = verdict["signals"]["lockstep"]
+    assert lock["verdict"] == "FINDING" and "wrong on live inputs from step 1" in lock["reason"]  # step 0: exact
+
+
+def test_the_projection_slot_gets_the_parameters_own_storage_every_step():
+    """Through the slot the weights are views of the attention's one qkv parameter, or under declared dtypes one
+    buffer per parameter rewritten in place: the same addresses with new values after each optimizer step."""
+    from divergence.candidates.resolve import build_kernels
+    from divergence.model import build_model
+    from divergence.recipe import load_recipe
+
+    r = load_recipe("tiny", {"model": {"n_kv_heads": 2}})
+    for dtypes in (None, {"qkv_proj": {"q_weight": "bfloat16", "k_weight": "bfloat16", "v_weight": "bfloat16",
+                                       "hidden_states": "bfloat16"}}):
+        kernels = build_kernels({"qkv_proj": "null-1"}, {"vocab_size": 64}, dtypes)
+        seen = []
+        kernels.add_tap(lambda slot, inputs, out: seen.append([(w.data_ptr(), w.float().sum().item(), w.dtype)
+                                                                for w in inputs[1:]]), ["qkv_proj"])
+        model = build_model(r.model, 64, kernels, 0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids, ids).backward()
+            opt.step()
+        first, second = seen[0], seen[r.model.n_layers]  # layer 0 at steps 0 and 1
+        assert [a[0] for a in first] == [b[0] for b in second]  # the same storage
+        assert all(a[1] != b[1] for a, b in zip(first, second))  # new values
+        want = torch.bfloat16 if dtypes else torch.float32
+        assert {a[2] for a in first} == {want}
+        q, k, v = first
+        assert model.blocks[0].attn.qkv.weight.grad is not None

@@ -406,6 +406,21 @@ def _map(defn: Definition, contract) -> tuple:
     return None, declared, {d: a for d, a in bound.items() if not d.startswith("#")}
 
 
+def _known(declared: dict) -> dict:
+    """The declared axes the model and the probe take (shapes.AXES); those that follow from them (a weight's rows,
+    heads x head size) are left to follow."""
+    from ..shapes import AXES
+
+    return {k: v for k, v in declared.items() if k in AXES or k == "dtypes"}
+
+
+def _generic_dtypes(defn: Definition, contract) -> dict:
+    """{"dtypes": {slot: {input: dtype}}} for the inputs of a dtype-generic slot (several dtypes allowed in its
+    axes), in the definition's dtypes; {} where the contract fixes them all."""
+    dts = {n: defn.inputs[n].dtype for n in contract.inputs if isinstance(contract.axes[n][0], tuple)}
+    return {"dtypes": {contract.name: dts}} if dts else {}
+
+
 def _adapted(defn: Definition, problem) -> tuple:
     """(problem in words or None, declared shapes and dtypes, bound axes) of `defn` onto a problem family."""
     why, declared, bound = _map(defn, problem.contract)
@@ -429,12 +444,12 @@ def mapping(defn: Definition, slot: Optional[str] = None) -> Mapping:
         if contract.axes is not None or slot:
             why, declared, bound = _map(defn, contract)
             if why is None:
-                return Mapping(name, declared, None, bound)
+                return Mapping(name, {**_known(declared), **_generic_dtypes(defn, contract)}, None, bound)
             tried[name] = why
         for p in for_slot(name):
             why, declared, bound = _adapted(defn, p)
             if why is None:
-                return Mapping(name, declared, p.name, bound)
+                return Mapping(name, _known(declared), p.name, bound)
             tried[f"{name} as {p.name}"] = why
     why = "; ".join(f"{n}: {w}" for n, w in tried.items())
     if slot is not None:

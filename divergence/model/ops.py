@@ -118,7 +118,8 @@ class ForwardSlot(torch.autograd.Function):
                   (next(saved) if t else s) for i, (t, s) in enumerate(zip(ctx.is_tensor, ctx.scalars))]
         wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
         with torch.enable_grad():
-            outs = ctx.kernels.contract(ctx.slot).reference(*leaves)
+            contract = ctx.kernels.contract(ctx.slot)
+            outs = contract.reference(*leaves, **{k: ctx.kernels.context[k] for k in contract.context})
             outs = outs if isinstance(outs, tuple) else (outs,)
             got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True)) if wrt else iter(())
         return (None, None) + tuple(next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None

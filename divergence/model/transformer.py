@@ -2,7 +2,8 @@
 
     ids -> [fused_embed_rmsnorm] -> blocks x n_layers -> [rmsnorm] -> head (-> final softcap) -> [cross_entropy]
     block: x + attn([rmsnorm](x)), then x + mlp([rmsnorm](x))
-    attn:  qkv -> [rope] -> q k^T / sqrt(hd) -> causal mask -> [attn_softcap] (or SDPA without a cap) -> @ v -> proj
+    attn:  [qkv_proj] -> [rope] -> q k^T / sqrt(hd) -> causal mask -> [attn_softcap] (or SDPA without a cap) -> @ v
+           -> proj    (grouped-query: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads query heads)
     mlp:   [swiglu](x W_gate, x W_up) W_down            (its backward: [swiglu_backward])
 The embedding's only consumer is the initial RMSNorm (SOL-ExecBench L1/087's pattern), so the embedding gradient
 is exactly what the `fused_embed_rmsnorm` slot computes.
@@ -42,17 +43,36 @@ class Attention(nn.Module):
     def __init__(self, cfg, kernels):
         super().__init__()
         self.n_heads, self.hd = cfg.n_heads, cfg.head_size  # n_heads x hd may differ from d_model (Gemma-2)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.n_heads * self.hd, bias=False)
+        self.n_kv = cfg.n_kv_heads or cfg.n_heads
+        # One weight, [q; k; v] by rows: the qkv_proj slot gets its three row blocks as views, which every optimizer
+        # step updates in place (at the addresses a kernel may have kept)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * self.n_kv) * self.hd, bias=False)
         self.proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=False)
         self.softcap, self.kernels = cfg.attn_softcap, kernels
 
+    def _qkv(self, x):
+        """(q, k, v), (B, heads, S, hd) each: the plain reference as one projection whose output is split into
+        strided views, else through the qkv_proj slot with the three weights."""
+        B, S, D = x.shape
+        nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
+        if not self.kernels.is_plain("qkv_proj"):
+            w = self.qkv.weight
+            return call_forward_slot(self.kernels, "qkv_proj", x, w[:nq], w[nq:nq + nkv], w[nq + nkv:])
+        if self.n_kv == self.n_heads:
+            return self.qkv(x).view(B, S, 3, self.n_heads, self.hd).permute(2, 0, 3, 1, 4)
+        y = self.qkv(x)
+        return tuple(y[..., a:b].view(B, S, -1, self.hd).transpose(1, 2)
+                     for a, b in ((0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)))
+
     def forward(self, x, position_ids, inv_freq, rope_tables=None):
         B, S, D = x.shape
-        q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, S, hd) each
+        q, k, v = self._qkv(x)  # (B, nh, S, hd), k and v (B, n_kv, S, hd)
         if rope_tables is not None:  # the plain reference, on tables every layer shares (Transformer._rope_tables)
             q, k = rope.reference_from_tables(q, k, *rope_tables)
         else:
             q, k = call_forward_slot(self.kernels, "rope", q, k, position_ids, inv_freq)
+        if self.n_kv != self.n_heads:  # each key/value head serves n_heads / n_kv query heads
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
         if self.softcap is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -93,6 +113,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg, vocab_size: int, kernels: Kernels):
         super().__init__()
         self.cfg, self.vocab_size, self.kernels = cfg, vocab_size, kernels
+        kernels.context.setdefault("head_dim", cfg.head_size)  # qkv_proj's: the weights give heads x head size only
         self.embed = nn.Parameter(torch.empty(vocab_size, cfg.d_model))
         self.embed_norm = nn.Parameter(torch.ones(cfg.d_model))
         self.blocks = nn.ModuleList([Block(cfg, kernels) for _ in range(cfg.n_layers)])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import (attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu,
+from . import (attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward, rope, swiglu,
                swiglu_backward)
 
 
@@ -48,6 +48,19 @@ def _rmsnorm_bwd_split(grad_output, x, weight, eps):
     gx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * r
     gw = (go * xhat).reshape(-1, xf.shape[-1]).flip(0).sum(0)
     return gx.to(grad_output.dtype), gw.to(weight.dtype)
+
+
+def _qkv(x, weights, head_dim, linear):
+    """(q, k, v) by heads of `linear(x_fp32, w_fp32)` per weight, cast to x's dtype."""
+    B, S, _ = x.shape
+    return tuple(linear(x.float(), w.float()).to(x.dtype).view(B, S, -1, head_dim).transpose(1, 2) for w in weights)
+
+
+def _qkv_halves(hidden_states, q_weight, k_weight, v_weight, *, head_dim):
+    """The hidden axis summed as two halves, added after: another order of the same sums."""
+    h = hidden_states.shape[-1] // 2
+    return _qkv(hidden_states, (q_weight, k_weight, v_weight), head_dim,
+                lambda x, w: x[..., :h] @ w[:, :h].T + x[..., h:] @ w[:, h:].T)
 
 
 def _rope_complex(q, k, position_ids, inv_freq):
@@ -113,6 +126,10 @@ NULLS: dict = {
     "rmsnorm_backward": [
         (_rmsnorm_bwd_split, "normalised-input form, weight gradient summed in reversed row order"),
         (_oracle_down(rmsnorm_backward.oracle, lambda i: [i[0].dtype, i[2].dtype]), "float64 cast down"),
+    ],
+    "qkv_proj": [
+        (_qkv_halves, "the hidden axis summed in two halves, added after (fp32, cast once)"),
+        (_oracle_down(qkv_proj.oracle, lambda i: [i[0].dtype] * 3), "float64 cast down"),
     ],
     "rope": [
         (_rope_complex, "rotation as a complex product"),
@@ -200,6 +217,16 @@ def _rmsnorm_bwd_family(k):
     return fn, f"row and hidden-axis sums in the order of permutation {k}"
 
 
+def _qkv_family(k):
+    perm = _Orders(k)
+
+    def fn(hidden_states, q_weight, k_weight, v_weight, *, head_dim):
+        p = perm(hidden_states.shape[-1], hidden_states.device)
+        return _qkv(hidden_states, (q_weight, k_weight, v_weight), head_dim, lambda x, w: x[..., p] @ w[:, p].T)
+
+    return fn, f"the hidden axis summed in the order of permutation {k} (fp32, cast once)"
+
+
 def _rope_family(k):
     def fn(q, k_, position_ids, inv_freq):
         # Rotation by p positions as a rotation by (p - k) followed by one by k: the same map, rounded twice.
@@ -270,6 +297,7 @@ def _ce_family(k):
 
 FAMILY: dict = {
     "fused_embed_rmsnorm": _embed_family, "rmsnorm": _rmsnorm_family, "rmsnorm_backward": _rmsnorm_bwd_family,
+    "qkv_proj": _qkv_family,
     "rope": _rope_family, "attn_softcap": _softcap_family, "swiglu": _swiglu_family,
     "swiglu_backward": _swiglu_bwd_family, "cross_entropy": _ce_family,
 }

@@ -63,6 +63,7 @@ class Kernels:
         # `.grad` its optimizer reads (train/module.py); None: nobody asked
         self.handed: Optional[dict] = None
         self.dtypes = {s: dict(d) for s, d in (dtypes or {}).items() if d}
+        self._weight_buffers: dict = {}  # a declared-dtype copy per weight parameter (cast)
         unknown = sorted(set(self.dtypes) - set(SLOTS))
         assert not unknown, f"declared dtypes for unknown slots {unknown}"
 
@@ -72,12 +73,26 @@ class Kernels:
         return SLOTS[slot]
 
     def cast(self, slot: str, inputs) -> tuple:
-        """`inputs` with the float tensors cast to the slot's declared dtypes (autograd follows the casts)."""
+        """`inputs` with the float tensors cast to the slot's declared dtypes (autograd follows the casts). A weight
+        (`Contract.weights`: a parameter) is cast into one buffer per parameter, rewritten in place at every call:
+        a kernel sees what a parameter kept in that dtype is, the same storage with new values after every
+        optimizer step, never a fresh copy (at which a cache keyed by address would miss)."""
         want = self.dtypes.get(slot)
         if not want:
             return tuple(inputs)
-        return tuple(x.to(want[n]) if n in want and isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                     for n, x in zip(self.contract(slot).inputs, inputs))
+        weights = self.contract(slot).weights
+        out = []
+        for n, x in zip(self.contract(slot).inputs, inputs):
+            if n in want and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != want[n]:
+                x = _WeightCast.apply(x, self._buffer(x, want[n])) if n in weights else x.to(want[n])
+            out.append(x)
+        return tuple(out)
+
+    def _buffer(self, x: torch.Tensor, dtype) -> torch.Tensor:
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), dtype)
+        if key not in self._weight_buffers:
+            self._weight_buffers[key] = torch.empty(x.shape, dtype=dtype, device=x.device)
+        return self._weight_buffers[key]
 
     def __call__(self, slot: str, *inputs):
         if slot in self.dtypes:
@@ -123,6 +138,20 @@ class Kernels:
 
     def describe(self) -> dict:
         return {s: {"name": i.name, "role": i.role, "origin": i.origin, "sha256": i.sha256} for s, i in self.impls.items()}
+
+
+class _WeightCast(torch.autograd.Function):
+    """w cast into `buf` in place; the gradient goes back to w in w's dtype."""
+
+    @staticmethod
+    def forward(ctx, w, buf):
+        ctx.dtype = w.dtype
+        buf.copy_(w)
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 def reference_impl(contract: Contract) -> Impl:

@@ -1,8 +1,10 @@
 """One input family's checks, run where the candidate lives (the probe's worker process, isolate.py): the call on
-copies of the inputs, then checks.py's accuracy, mutation, determinism and caching checks against the float64
-oracle and the reference, whose outputs are prepared once per (family, seed) and kept in the run's Prepared, a
-small LRU. Every call's outputs must be plain tensors (`outputs` finding), and on a deep family the first call's
-must keep their values through the later calls (`overwritten`; slots/outputs.py says why)."""
+copies of the inputs, then checks.py's accuracy, mutation, determinism and caching checks against the float64 oracle
+and the reference, whose outputs are prepared once per (family, seed) and kept in the run's Prepared, a small LRU. A
+slot whose inputs include the model's parameters (`Contract.weights`) is also called after new values are written
+into those in place, as an optimizer step writes them (`stale_weights`). Every call's outputs must be plain tensors
+(`outputs` finding), and on a deep family the first call's must keep their values through the later calls
+(`overwritten`; slots/outputs.py says why)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -89,6 +91,20 @@ def _later_calls(contract, call, failed, kept, given, cand, orc, errs, prepared,
     new = case2.inputs
     if any(isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(given, new)):
         return out  # a family whose shapes vary between draws: nothing to reuse
+    if contract.weights:
+        # An optimizer step: the other draw's weights written into the first call's weights, where a kernel that
+        # keeps something by their address finds it again, with fresh activations
+        args = tuple(a.copy_(b) if n in contract.weights else (b.clone() if isinstance(b, torch.Tensor) else b)
+                     for n, a, b in zip(contract.inputs, given, new))
+        how = f"after new values written in place into {', '.join(contract.weights)} (an optimizer step)"
+        try:
+            got = call(args)
+        except Exception as e:
+            return out + moved() + [failed(e, how + ": ")]
+        said = moved()
+        if said:
+            return out + said
+        out += checks.stale("stale_weights", contract, got, ref2, orc2, cand, errs, how)
     reused = tuple(a.copy_(b) if isinstance(a, torch.Tensor) else b for a, b in zip(given, new))
     for check, inputs, when, how in (
             ("reuse", lambda: reused, "new values in reused storage: ",

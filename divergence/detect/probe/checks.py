@@ -17,7 +17,7 @@ from ...slots.contract import Contract
 
 # The kinds of finding, in the order the table lists them; crash and timeout are the worker's watchdog's (isolate.py).
 CHECKS = ("crash", "timeout", "exception", "outputs", "overwritten", "global_state", "late_write", "mutated_input",
-          "unwritten", "nonfinite", "error", "row_error", "nondeterministic", "reuse", "fresh_storage")
+          "unwritten", "nonfinite", "error", "row_error", "nondeterministic", "reuse", "fresh_storage", "stale_weights")
 
 
 class NotData(Exception):

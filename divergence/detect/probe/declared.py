@@ -1,6 +1,6 @@
-"""The input families of rmsnorm, rmsnorm_backward, rope, attn_softcap and swiglu_backward at declared shapes: a problem's axes, the
-dtypes it calls the slot in and the constants it bakes in (slots/problems.py), with the variable axes from one row
-up to the device's size, and the definition's own workloads.
+"""The input families of rmsnorm, rmsnorm_backward, qkv_proj, rope, attn_softcap and swiglu_backward at declared
+shapes: a problem's axes, the dtypes it calls the slot in and the constants it bakes in (slots/problems.py), with
+the variable axes from one row up to the device's size, and the definition's own workloads.
 
 Each family is the slot's own (probe/inputs.py: the same names, magnitudes and layouts) drawn at the declared
 axes, then cast to the declared dtypes with the baked constants set (`slots.problems.declare_inputs`); families
@@ -25,8 +25,11 @@ from . import inputs as fi
 from .magnitudes import GRID, Sweep, _family as _scaled_family
 
 ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+# The long run's 3,000 calls on the CPU at most this many input elements each: rmsnorm at 256 x 4096 (1M) takes
+# seconds; qkv_proj at hidden 2048 (6.5M, a 3072 x 2048 weight) would take many minutes.
+LONG_CPU_ELEMENTS = 1 << 20
 WORKLOAD_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}  # a workload family's input elements, at most
-SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "rope", "attn_softcap", "swiglu_backward")
+SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "qkv_proj", "rope", "attn_softcap", "swiglu_backward")
 
 
 def _dtype(shapes: dict, slot: str, name: str):
@@ -131,6 +134,25 @@ def _rope_families(shapes: dict, device: str) -> list:
     ]
 
 
+def _qkv_families(shapes: dict, device: str) -> list:
+    d = {**SLOTS["qkv_proj"].shapes, **shapes}
+    hidden, heads, hd, kv = d["hidden"], d["heads"], d["head_dim"], shapes.get("kv_heads")
+    dt = _dtype(shapes, "qkv_proj", "hidden_states")
+    top = max(1, min(fi.PRODUCTION_TOKENS, ELEMENTS[device] // hidden))
+
+    def q(name, batch, seq, **kw):
+        return fi._qkv(name, batch, seq, hidden, heads, hd, kv_heads=kv, dtype=dt, **kw)
+
+    return [
+        q("contract", 2, 64, deep=True),
+        q("scale-30", 2, 64, scale=30.0),
+        q("odd", 3, 37),
+        q("batch-1", 1, 64),
+        q("largest", max(1, top // 1024), min(top, 1024)),
+        fi.long_run(q("contract", 2, 64)),
+    ]
+
+
 def _swiglu_bwd_families(shapes: dict, device: str) -> list:
     ff = shapes.get("ff", 176)
     dt = _dtype(shapes, "swiglu_backward", "gate")
@@ -150,6 +172,7 @@ def _swiglu_bwd_families(shapes: dict, device: str) -> list:
 BUILDERS = {
     "attn_softcap": _softcap_families,
     "swiglu_backward": _swiglu_bwd_families,
+    "qkv_proj": _qkv_families,
     "rmsnorm": lambda shapes, device: _norm_families(rmsnorm, shapes, device),
     "rmsnorm_backward": lambda shapes, device: _norm_families(rmsnorm_backward, shapes, device),
     "rope": _rope_families,
@@ -211,10 +234,24 @@ def _swiglu_bwd_workload(w: dict, dt):
     return f"workload-{n}", dict(rows=rows, ff=ff), 3 * n, build
 
 
-WORKLOADS = {"attn_softcap": _softcap_workload, "rmsnorm": _norm_workload(rmsnorm),
+def _qkv_workload(w: dict, dt):
+    b, s = w.get("batch", 1), w.get("seq", 64)
+    hidden, heads, hd = w.get("hidden", 64), w.get("heads", 4), w.get("head_dim", 16)
+    kv = w.get("kv_heads", heads)
+
+    def build(gen, device):
+        return fi.Case(tuple(SLOTS["qkv_proj"].make_inputs(gen, device, batch=b, seq=s, hidden=hidden, heads=heads,
+                                                           kv_heads=kv, head_dim=hd, dtype=dt)), {"head_dim": hd})
+
+    return f"workload-{b}x{s}", dict(batch=b, seq=s, hidden=hidden, heads=heads, kv_heads=kv, head_dim=hd), \
+        b * s * hidden + (heads + 2 * kv) * hd * hidden, build
+
+
+WORKLOADS = {"attn_softcap": _softcap_workload, "qkv_proj": _qkv_workload, "rmsnorm": _norm_workload(rmsnorm),
              "rmsnorm_backward": _norm_workload(rmsnorm_backward), "rope": _rope_workload,
              "swiglu_backward": _swiglu_bwd_workload}
-FIRST_INPUT = {"attn_softcap": "scores", "rmsnorm": "x", "rmsnorm_backward": "x", "rope": "q", "swiglu_backward": "gate"}
+FIRST_INPUT = {"qkv_proj": "hidden_states", "attn_softcap": "scores", "rmsnorm": "x", "rmsnorm_backward": "x",
+               "rope": "q", "swiglu_backward": "gate"}
 
 
 def _workload_families(slot: str, workloads: list, shapes: dict, device: str) -> tuple:
@@ -255,8 +292,15 @@ def families(slot: str, shapes: dict, device: str, workloads=None) -> tuple:
     """(the slot's families at the declared shapes, notes): distribution, long-run and magnitude families, then one
     per workload of the definition."""
     fams = [_declare(f, slot, shapes) for f in BUILDERS[slot](shapes, device)]
-    fams += _magnitudes(slot, fams[0], shapes)
     notes = []
+    for f in [f for f in fams if f.calls > 1 and device == "cpu"]:
+        n = sum(x.numel() for x in f.build(torch.Generator().manual_seed(0), "cpu").inputs
+                if isinstance(x, torch.Tensor))
+        if n > LONG_CPU_ELEMENTS:
+            fams.remove(f)
+            notes.append(f"family long-run skipped on cpu: each of its {f.calls:,} calls takes {n:,} input elements "
+                         "(run the probe on a GPU)")
+    fams += _magnitudes(slot, fams[0], shapes)
     if workloads:
         wf, notes = _workload_families(slot, workloads, shapes, device)
         fams += wf
@@ -267,5 +311,5 @@ def recipe_declares(recipe, shapes: dict) -> bool:
     """Whether `recipe` (a Recipe, a name or None) trains its model at the declared shapes, dtypes and constants:
     its captured families are then the problem's too (the A/B's preflight probe)."""
     have = getattr(recipe, "shapes", None) or {}
-    return all(have.get(k) == v for k, v in shapes.items() if k not in ("batch", "seq", "rows", "kv_heads",
-                                                                       "q_seq", "k_seq", "elements"))
+    return all(have.get(k) == v for k, v in shapes.items() if k not in ("batch", "seq", "rows", "q_seq", "k_seq",
+                                                                       "elements", "q_rows", "kv_rows"))

@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import (attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu,
-                      swiglu_backward)
+from ...slots import (attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward, rope,
+                      swiglu, swiglu_backward)
 from . import longrun
 
 FREQUENT_ROWS = 16  # rows checked one by one in a scatter output: the most frequent ids, those seen twice or more
@@ -214,6 +214,33 @@ def norm_families(mod) -> list:
     ]
 
 
+def _qkv(name, batch, seq, hidden, heads, head_dim, kv_heads=None, scale=1.0, dtype=torch.float32, **kw):
+    """qkv_proj: `scale` multiplies the activations; kv_heads < heads is grouped-query attention."""
+    def build(gen, device):
+        return Case(qkv_proj.make_inputs(gen, device, batch=batch, seq=seq, hidden=hidden, heads=heads,
+                                         kv_heads=kv_heads, head_dim=head_dim, scale=scale, dtype=dtype),
+                    {"head_dim": head_dim})
+
+    shape = dict(batch=batch, seq=seq, hidden=hidden, heads=heads, head_dim=head_dim)
+    if kv_heads and kv_heads != heads:
+        shape["kv_heads"] = kv_heads
+    return Family(name, _shape(shape, dtype, scale=(scale, 1.0)), build, **kw)
+
+
+def qkv_families() -> list:
+    return [
+        _qkv("contract", 2, 64, 64, 4, 16, deep=True),
+        _qkv("gqa", 2, 64, 64, 4, 16, kv_heads=2, deep=True),  # grouped-query: 4 query heads share 2 key heads
+        _qkv("scale-30", 2, 64, 64, 4, 16, scale=30.0),
+        _qkv("bf16", 2, 64, 64, 4, 16, dtype=torch.bfloat16),
+        _qkv("odd", 3, 37, 72, 3, 24),
+        _qkv("batch-1", 1, 64, 64, 4, 16),
+        _qkv("long-seq", 1, 8192, 64, 4, 16),
+        long_run(_qkv("contract", 2, 64, 64, 4, 16)),
+        _qkv("production", 32, PRODUCTION_TOKENS // 32, 64, 4, 16),
+    ]
+
+
 def _rope(name, batch, heads, seq, head_dim, theta=10000.0, scaling=1.0, positions="arange", dtype=torch.float32,
           **kw):
     """`scaling` divides inv_freq (linear position interpolation); positions: arange, offset or packed."""
@@ -350,6 +377,7 @@ FAMILIES: dict = {  # slot -> its families, given the real text (which only two 
     "fused_embed_rmsnorm": embed_families,
     "rmsnorm": lambda text: norm_families(rmsnorm),
     "rmsnorm_backward": lambda text: norm_families(rmsnorm_backward),
+    "qkv_proj": lambda text: qkv_families(),
     "rope": lambda text: rope_families(),
     "attn_softcap": lambda text: softcap_families(),
     "swiglu": lambda text: swiglu_families(),

@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import (SLOTS, attn_softcap, cross_entropy, fused_embed_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu,
-                      swiglu_backward)
+from ...slots import (SLOTS, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward,
+                      rope, swiglu, swiglu_backward)
 from .inputs import Case, Family, frequent_rows, zipf_ids
 
 GRID = tuple(10.0 ** e for e in range(-8, 5) if e != 0)  # 1e-8 .. 1e4; 1 is the contract's own families
@@ -55,6 +55,10 @@ def _plain(mod, **shape):
     return lambda gen, device, dtype: Case(tuple(mod.make_inputs(gen, device, dtype=dtype, **shape)))
 
 
+def _qkv_make(gen, device, dtype):
+    return Case(tuple(qkv_proj.make_inputs(gen, device, dtype=dtype)), {"head_dim": 16})
+
+
 SWEEPS: dict = {
     # dtypes fixed by the contract (SOL-ExecBench's): bf16 gradient and norm weight, fp32 hidden states
     "fused_embed_rmsnorm": Sweep(_embed_make, {"grad_output": 1e-3, "hidden_states_fp32": 1.0, "norm_weight": 1.0},
@@ -63,6 +67,8 @@ SWEEPS: dict = {
                      dict(rows=256, hidden=64)),
     "rmsnorm_backward": Sweep(_plain(rmsnorm_backward, rows=256, hidden=64),
                               {"grad_output": 1e-3, "x": 1.0, "weight": 1.0, "eps": 1e-6}, dict(rows=256, hidden=64)),
+    "qkv_proj": Sweep(_qkv_make, {"hidden_states": 1.0, "q_weight": 0.02, "k_weight": 0.02, "v_weight": 0.02},
+                      dict(batch=2, seq=64, hidden=64, heads=4, head_dim=16)),
     "rope": Sweep(_plain(rope, batch=2, heads=2, seq=64, head_dim=16), {"q": 1.0, "k": 1.0, "inv_freq": 1.0},
                   dict(batch=2, heads=2, seq=64, head_dim=16, theta="10000")),
     "attn_softcap": Sweep(_plain(attn_softcap, batch=2, heads=2, seq=64), {"scores": 30.0, "cap": 20.0},
