@@ -62,8 +62,8 @@ def pytest_report_header(config):
 # The files that take longest, first (about 80, 60, 45, 40 and 30 s down to 15 s under two pytest-xdist workers,
 # 2026-11-23, 2-core CPU machine, torch 2.13 CPU): `--dist loadfile --no-loadscope-reorder` (Makefile) hands files
 # out in this order, so no long file is left to one worker at the end while the other idles.
-LONGEST_FIRST = ("test_probe.py", "test_hostile.py", "test_soak_ray.py", "test_faults.py", "test_soak.py",
-                 "test_lockstep.py", "test_shapes.py", "test_share.py", "test_ab.py", "test_report.py")
+LONGEST_FIRST = ("test_probe.py", "test_hostile.py", "test_soak_ray.py", "test_faults.py", "test_sol_problems.py",
+                 "test_soak.py", "test_lockstep.py", "test_shapes.py", "test_share.py", "test_ab.py", "test_report.py")
 
 
 def pytest_collection_modifyitems(config, items):
