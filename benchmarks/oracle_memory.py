@@ -3,8 +3,9 @@ sliced (fused_embed_rmsnorm.ORACLE_SLICE_ELEMENTS per slice, inputs promoted sli
 
     python benchmarks/oracle_memory.py [--tokens 65536] [--hidden 4096] [--vocab 65536] [--device cpu|cuda]
 
-Each variant runs in a fresh process; the figure is the process's peak resident memory growth on the CPU
-(VmHWM less the figure before the call), the allocator's peak on a GPU (torch.cuda.max_memory_allocated). It also
+Each variant runs in a fresh process; the figure is what the call adds at its peak: on the CPU the resident
+memory's peak (VmHWM, reset just before the call) less the resident memory then (VmRSS), on a GPU the allocator's
+peak less what it held before (torch.cuda.max_memory_allocated). It also
 prints the largest difference between the two results, which must be float64 rounding only.
 """
 from __future__ import annotations
@@ -15,11 +16,18 @@ import subprocess
 import sys
 
 
-def _hwm() -> int:
+def _status(key: str) -> int:
     for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _cpu_mark() -> int:
+    """Resident memory now, the peak reset to it (clear_refs 5): what the call adds is VmHWM less this."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
 
 
 def child(variant: str, tokens: int, hidden: int, vocab: int, device: str) -> None:
@@ -36,7 +44,7 @@ def child(variant: str, tokens: int, hidden: int, vocab: int, device: str) -> No
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
-        before = _hwm()
+        before = _cpu_mark()
     with torch.no_grad():
         if variant == "whole":
             F.ORACLE_SLICE_ELEMENTS = 1 << 62
@@ -48,7 +56,7 @@ def child(variant: str, tokens: int, hidden: int, vocab: int, device: str) -> No
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = _hwm() - before
+        peak = _status("VmHWM") - before
     torch.save((ge.cpu(), gw.cpu()), f"/tmp/oracle-{variant}.pt")
     print(json.dumps({"variant": variant, "peak_bytes": peak}))
 

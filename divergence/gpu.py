@@ -33,7 +33,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 ENV = "DIVERGENCE_GPU_LOCKS"
 # CUDA's out-of-memory error (torch.OutOfMemoryError, "CUDA error: out of memory" where the context itself could
@@ -108,52 +108,84 @@ def read_record(folder, context: int = CONTEXT_BYTES) -> Optional[int]:
     return None if rec is None else rec[0] + context * rec[1]
 
 
-def watch_arm(out_dir) -> None:
+def own_reserved(index: int) -> int:
+    """What this process's own allocator holds on visible GPU `index` (0 where it has not started CUDA): the
+    scheduler's process trains a probe's capture run and builds probe inputs there, and that memory is its own."""
+    import torch
+
+    return int(torch.cuda.memory_reserved(index)) if torch.cuda.is_initialized() else 0
+
+
+def watch_arm(out_dir, servers: Optional[Callable] = None) -> None:
     """In an arm's or a probe worker's process: a daemon thread that writes its peak of PyTorch-reserved GPU memory
-    to MEMORY_FILE in `out_dir` whenever it grows: its own allocator's and its kernel servers' (each a process with
-    its own allocator and context: their replies carry their peaks, sandbox/client.py), with how many processes hold
-    them; never below what the file already says (a probe's later workers write to their first one's). It never
-    starts CUDA itself and makes no CUDA call (the allocator's counters only), so it cannot disturb a CUDA graph's
-    capture."""
+    to MEMORY_FILE in `out_dir` whenever it grows: its own allocator's and its kernel servers' (`servers()` ->
+    (bytes, processes): each a process with its own allocator and context, sandbox/client.gpu_reserved), with how
+    many processes hold them; never below what the file already says (a probe's later workers write to their first
+    one's). It never starts CUDA itself and makes no CUDA call (the allocator's counters only), so it cannot disturb
+    a CUDA graph's capture. A failure to read or write is said once on stderr and the watch goes on."""
     path = Path(out_dir) / MEMORY_FILE
 
     def loop():
         import torch
 
-        seen = record(out_dir) or (0, 0)
+        seen, said = record(out_dir) or (0, 0), False
         while True:
             time.sleep(SAMPLE_S)
-            if not torch.cuda.is_initialized():
-                continue
-            from .sandbox.client import gpu_reserved  # here, not before: a CPU process never needs it
-
             try:
-                theirs, servers = gpu_reserved()
-            except RuntimeError:  # the set of servers changed while read: next time
-                continue
-            now = (int(torch.cuda.max_memory_reserved(0)) + theirs, 1 + servers)  # it sees one GPU, as cuda:0
-            if now[0] > seen[0] or now[1] > seen[1]:
-                seen = (max(now[0], seen[0]), max(now[1], seen[1]))
-                tmp = path.with_name(f".{path.name}.{os.getpid()}")
-                tmp.write_text(json.dumps({"peak_reserved_bytes": seen[0], "processes": seen[1]}) + "\n")
-                os.replace(tmp, path)
+                if not torch.cuda.is_initialized():
+                    continue
+                theirs, n = servers() if servers is not None else (0, 0)
+                now = (int(torch.cuda.max_memory_reserved(0)) + theirs, 1 + n)  # it sees one GPU, as cuda:0
+                if now[0] > seen[0] or now[1] > seen[1]:
+                    seen = (max(now[0], seen[0]), max(now[1], seen[1]))
+                    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+                    tmp.write_text(json.dumps({"peak_reserved_bytes": seen[0], "processes": seen[1]}) + "\n")
+                    os.replace(tmp, path)
+            except Exception as e:  # noqa: BLE001 - a full disk, a set of servers that changed while read: next time
+                if not said:
+                    said = True
+                    print(f"note: GPU memory record {path}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
 
     threading.Thread(target=loop, name="gpu-memory", daemon=True).start()
+
+
+def _shared_dir(path: Path) -> None:
+    """A folder every user's runs may add files to (mode 1777, as /tmp), made with its parents where missing."""
+    if path.is_dir():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    for p in (path.parent, path) if path.parent.name else (path,):
+        try:
+            os.chmod(p, 0o1777)
+        except OSError:  # another user's, made first
+            pass
 
 
 @contextmanager
 def tenant(lock: "GpuLock", folder):
     """While inside: this process's work (a probe's workers) is on `lock`'s GPU, its memory recorded in `folder`
-    (watch_arm), so that an A/B's scheduler, in this process or another, counts what it may yet take
-    (ab/memory.Placer). Said by a file beside the GPU's lock files, named by this process's id: a killed
-    process's file is passed over (and removed) by whoever reads it."""
-    where = lock.root / f"{_safe(lock.gpu)}.tenants"
-    mine = where / f"{os.getpid()}-{next(_COUNT)}"
+    (watch_arm; a record left there by an earlier run is removed first), so that an A/B's scheduler, in this
+    process or another, counts what it may yet take (ab/memory.Placer). Said by a file beside the GPU's lock files
+    that this process holds a lock on while inside: the kernel drops it when the process dies, whatever its pid
+    namespace, and a reader that can take it removes the file (tenants)."""
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        mine.write_text(str(Path(folder).resolve()))
+        (Path(folder) / MEMORY_FILE).unlink()
+    except OSError:
+        pass
+    where = lock.root / f"{_safe(lock.gpu)}.tenants"
+    mine = fd = None
+    try:
+        _shared_dir(where)
+        mine = where / f"{os.getpid()}-{next(_COUNT)}"
+        tmp = where / f".{mine.name}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.write(fd, str(Path(folder).resolve()).encode())
+        os.replace(tmp, mine)  # whole, or not there: a reader never sees it half written
     except OSError:  # no lock folder to write (GpuLock says so): the scheduler counts only what the GPU shows
-        mine = None
+        if fd is not None:
+            os.close(fd)
+        mine = fd = None
     try:
         yield
     finally:
@@ -162,32 +194,35 @@ def tenant(lock: "GpuLock", folder):
                 mine.unlink()
             except OSError:
                 pass
+            os.close(fd)
 
 
 def tenants(lock: "GpuLock") -> list:
-    """The record folders of the work now on `lock`'s GPU (tenant), from every live process."""
+    """The record folders of the work now on `lock`'s GPU (tenant), from every live process: a file whose lock
+    can be taken has lost its owner and is removed."""
     where = lock.root / f"{_safe(lock.gpu)}.tenants"
     try:
-        files = list(where.iterdir())
+        files = [f for f in where.iterdir() if not f.name.startswith(".")]
     except OSError:
         return []
     out = []
     for f in files:
         try:
-            pid = int(f.name.split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            try:
-                f.unlink()
-            except OSError:
-                pass
-            continue
-        except (ValueError, PermissionError):  # not ours to judge: counted
-            pass
-        try:
-            out.append(Path(f.read_text().strip()))
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # gone meanwhile
             continue
+        try:
+            if _try(fd, fcntl.LOCK_EX):  # its owner's lock is gone: so is its owner
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+                continue
+            text = os.read(fd, 1 << 16).decode(errors="replace").strip()
+            if text:
+                out.append(Path(text))
+        finally:
+            os.close(fd)
     return out
 
 

@@ -122,6 +122,7 @@ def test_what_a_process_holds_beyond_its_record_is_measured_on_the_gpu(tmp_path,
     80 GiB card and run out of memory (5 x 22 GiB); measured on the GPU while the first ran alone, three fit and
     none runs out."""
     said = []
+    monkeypatch.setattr(memory, "STEADY_S", 0.9)  # the stand-in's record never grows: steady from its first write
     recipe = setup(tmp_path, monkeypatch, 10 * GiB, run_s=3.0, hidden=12 * GiB, row_s=1.5)
     placer = gpus(tmp_path, 6, said=said)
     res = runner.run_jobs(recipe, arms(tmp_path, [f"null-{k}" for k in range(1, 7)]), None, "cpu", 6, placer=placer)
@@ -283,20 +284,22 @@ def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gp
 
 
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
-    """A probe of this process on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed
-    before: 40 GiB learned from an earlier probe's record, 5 GiB held by the one running now. With one arm of
-    21 GiB there and 54 GiB free, a second arm of 21 GiB starts only where the probe's growth is not counted."""
+    """A probe on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed before: 45 GiB
+    learned from an earlier probe's record (its last growth read after it ended), 10 GiB held by the one running
+    now. With one arm of 21 GiB there and 54 GiB free, a second arm of 21 GiB starts only where the probe's growth
+    is not counted."""
     from divergence.train.metrics import write_json
 
-    def folder(name, peak):
+    def folder(name, peak=None):
         d = tmp_path / name
-        d.mkdir()
-        write_json(d / memory.MEMORY_FILE, {"peak_reserved_bytes": peak, "processes": 1})
+        d.mkdir(exist_ok=True)
+        if peak is not None:
+            write_json(d / memory.MEMORY_FILE, {"peak_reserved_bytes": peak, "processes": 1})
         return d
 
-    first, now = folder("probe-1", 39 * GiB), folder("probe-2", 4 * GiB)
+    first, now = folder("probe-1"), folder("probe-2")
     placer = memory.Placer(["0"], 6, query=lambda i: (TOTAL - 26 * GiB, TOTAL),
-                           lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"))
+                           lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"), own=lambda i: 0)
     one, two = arms(tmp_path, ["null-1", "null-2"])
     folder("null-1", 20 * GiB)
     (tmp_path / "null-1" / "metrics.jsonl").write_text('{"step": 0}\n')
@@ -305,18 +308,23 @@ def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     assert placer.decide(two) == (memory.GO, 0)  # no probe on the GPU
     sim = G.GpuLock("sim-0", tmp_path / "locks")
     with G.tenant(sim, first):
+        folder("probe-1", 39 * GiB)  # its workers' record, written while it runs
         placer._observed_at = 0.0
         placer.observe()
-    assert placer.probe_need == 40 * GiB
+    folder("probe-1", 44 * GiB)  # its last growth, seen after it ended
+    placer._observed_at = 0.0
+    placer.observe()
+    assert placer._bytes(placer.probe_peak) == 45 * GiB
     with G.tenant(sim, now):
+        folder("probe-2", 9 * GiB)
         assert placer.decide(two) == (memory.WAIT, None)
     assert placer.decide(two) == (memory.GO, 0)
 
 
 def test_a_recipe_too_large_for_the_gpu_is_one_line_before_anything_runs():
     """Weights, gradients and the hungriest optimizer's state against the card: the `h200-shapes` recipe at hidden
-    4096 and vocabulary 65,536 (about 0.6 B parameters, 9 GiB under AdamW) on a 4 GiB card is refused in one line
-    naming the bytes; on 80 GiB it passes, under every optimizer; the check leaves the global generator alone."""
+    4096 and vocabulary 65,536 (771,776,512 parameters, 11.50 GiB under AdamW) on a 4 GiB card is refused in one
+    line naming the bytes; on 80 GiB it passes, under every optimizer."""
     import torch
 
     from divergence.ab.run import _check_gpu_memory
@@ -329,12 +337,11 @@ def test_a_recipe_too_large_for_the_gpu_is_one_line_before_anything_runs():
     corpus = type("C", (), {"vocab_size": 65536})()
     with torch.device("meta"):
         n = sum(p.numel() for p in Transformer(recipe.model, 65536, build_kernels()).parameters())
-    state = torch.random.get_rng_state()
+    assert n == 771_776_512
     with pytest.raises(UserError, match=r"one arm needs at least [\d.]+ GiB .* this GPU has 4.00 GiB"):
         G.check_fits(n, {"adamw": recipe.optimizers["adamw"]}, 4 * GiB, "h200-shapes")
     G.check_fits(n, {"adamw": recipe.optimizers["adamw"]}, TOTAL, "h200-shapes")
     assert G.least_arm_bytes(n, {"adamw": recipe.optimizers["adamw"]}) == 16 * n
-    assert torch.equal(state, torch.random.get_rng_state())
     orig = G.mem_get_info
     try:
         G.mem_get_info = lambda i: (GiB, 4 * GiB)
@@ -344,4 +351,97 @@ def test_a_recipe_too_large_for_the_gpu_is_one_line_before_anything_runs():
         _check_gpu_memory(recipe, corpus, ["sgd", "adamw", "adafactor"])
     finally:
         G.mem_get_info = orig
-    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_the_overhead_is_read_only_against_a_record_that_holds_steady(tmp_path, monkeypatch):
+    """An arm's watch writes a growth up to a second late: the GPU's use is read against its record only once the
+    record has not changed for STEADY_S, so growth the record has yet to show is not taken for overhead. Here the
+    GPU shows 30 GiB in use throughout while the record says 10 GiB, then 20 GiB: read against 10 GiB too early,
+    the overhead would be 20 GiB; read once 20 GiB has held, it is 10 GiB."""
+    from divergence.train.metrics import write_json
+
+    clock = [100.0]
+    monkeypatch.setattr(memory.time, "monotonic", lambda: clock[0])
+    used = [0]
+    placer = memory.Placer(["0"], 6, query=lambda i: (TOTAL - used[0], TOTAL),
+                           lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"), own=lambda i: 0)
+    (job,) = arms(tmp_path, ["null-1"])
+    job.out_dir.mkdir()
+
+    def at(t, rec=None):
+        if rec is not None:
+            write_json(job.out_dir / memory.MEMORY_FILE, {"peak_reserved_bytes": rec, "processes": 1})
+        clock[0] = 100.0 + t
+        placer.observe()
+
+    at(0)  # the GPU empty: its use before the arm
+    placer.started(job, 0, None)
+    used[0] = 30 * GiB
+    at(1, 10 * GiB)
+    at(2)
+    at(3.5, 20 * GiB)  # the record catches up
+    at(6)  # 2.5 s steady: not yet
+    assert placer.context == memory.CONTEXT_BYTES
+    at(7)
+    assert placer.context == 10 * GiB
+
+
+def test_a_probe_tenant_is_seen_across_processes_until_its_owner_dies(tmp_path):
+    """A probe's tenant file is held locked by its process: another process sees it while it lives, and the first
+    reader after its death (killed: no clean-up ran) removes it. Its folders are made for every user (1777), and an
+    old record in the probe's folder is gone when it starts."""
+    import subprocess
+    import sys
+    import textwrap
+
+    lock = G.GpuLock("sim-0", tmp_path / "locks")
+    folder = tmp_path / "probe"
+    folder.mkdir()
+    (folder / memory.MEMORY_FILE).write_text('{"peak_reserved_bytes": 5, "processes": 1}')
+    code = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from divergence import gpu as G
+        with G.tenant(G.GpuLock("sim-0", Path({str(tmp_path / "locks")!r})), Path({str(folder)!r})):
+            print("in", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "in"
+        assert G.tenants(lock) == [folder.resolve()]
+        assert not (folder / memory.MEMORY_FILE).exists()
+        where = tmp_path / "locks" / "sim-0.tenants"
+        assert (where.stat().st_mode & 0o7777) == 0o1777 and ((tmp_path / "locks").stat().st_mode & 0o7777) == 0o1777
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(list(where.iterdir())) == 1  # killed: its file stays until a reader finds its owner gone
+    assert G.tenants(lock) == []
+    assert list(where.iterdir()) == []
+    with G.tenant(lock, folder):  # this process's own, seen by itself too
+        assert G.tenants(lock) == [folder.resolve()]
+    assert G.tenants(lock) == []
+
+
+def test_a_kernel_servers_memory_figure_is_bounded_by_the_gpu():
+    """A server's reply sizes other arms: a figure past the GPU's memory is cut to it (none where this process has
+    no GPU), a negative or non-integer one ends the server as an unreadable reply."""
+    from divergence.sandbox import client
+
+    total = client._gpu_total()
+    assert total == 0  # no CUDA in this process: a server's figure counts for nothing
+    srv = object.__new__(client.KernelServer)
+    srv.reserved, srv.on_gpu, srv.where, srv.closed = 0, False, "test", True
+    srv.conn = None
+    orig = client.wire.recv_header
+    try:
+        client.wire.recv_header = lambda conn: {"ok": True, "reserved": 10 ** 18}
+        srv._recv()
+        assert srv.reserved == 0 and srv.on_gpu
+        for bad in (-1, 1.5, "9"):
+            client.wire.recv_header = lambda conn, bad=bad: {"ok": True, "reserved": bad}
+            with pytest.raises(client.CandidateError, match="reply could not be read"):
+                srv._recv()
+    finally:
+        client.wire.recv_header = orig

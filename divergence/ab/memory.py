@@ -30,8 +30,6 @@ the machine's doing, judged against nobody.
 """
 from __future__ import annotations
 
-import json
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -46,6 +44,9 @@ AUTO_PER_GPU = 6
 AUTO_CPU_MAX = 4  # CPU arms at once under `auto`: one per train.threads cores, at most this many
 MARGIN = 0.05  # of the GPU's memory, kept free beyond every arm's need: 4 GiB of an 80 GiB card
 OBSERVE_S = 0.5  # how often the Placer reads a GPU's free memory while one arm runs alone there
+# How long an arm's record must stay the same before the GPU's use is read against it: its watch writes a growth a
+# second late (gpu.SAMPLE_S), and a read while it grows would count the growth as overhead.
+STEADY_S = 3 * G.SAMPLE_S
 
 
 def per_gpu(recipe, device: str = "cuda") -> int:
@@ -86,25 +87,31 @@ class Placer:
     and `lock(index)` -> a gpu.GpuLock are the driver's and the machine's unless a test gives others."""
 
     def __init__(self, gpus: list, cap: int, query: Callable = G.mem_get_info, lock: Optional[Callable] = None,
-                 alone_wait_s: float = 3600.0, say: Callable = print):
+                 alone_wait_s: float = 3600.0, say: Callable = print, own: Callable = G.own_reserved):
         self.gpus, self.cap, self.query, self.alone_wait_s, self.say = list(gpus), max(1, cap), query, alone_wait_s, say
+        self.own = own  # index -> what this process's own allocator holds there (gpu.own_reserved)
         lock = lock or (lambda i: G.GpuLock(G.gpu_id(i)))
         self.locks = [lock(i) for i in range(len(self.gpus))]
         self.live = [dict() for _ in self.gpus]  # per GPU: job key -> (job, process) of this run's arms there
-        self.measured = {}  # kind -> bytes one arm of it needs
+        self.measured = {}  # kind -> (peak reserved bytes, processes) of its arms' records, the largest of each
         self.claims = {}  # job key of an arm waiting to run alone -> (GPU index, since)
         self.where = {}  # job key -> GPU index it was last started on
         self.context = CONTEXT_BYTES  # per process, outside its allocator: measured by observe() where larger
-        self.base = [None for _ in self.gpus]  # per GPU: its use while none of this run's arms was on it
-        self._steady = {}  # job key -> its record at the last observation (equal twice: the arm holds steady)
+        self.base = [None for _ in self.gpus]  # per GPU: others' use while none of this run's arms or probes was there
+        self._steady = {}  # job key -> (its record, since when it has not changed)
         self._observed_at = 0.0
-        self.probe_need = 0  # the most a probe of this process has needed on a GPU (gpu.tenant), as its record says
+        self.probe_peak = (0, 0)  # the largest record of any probe seen on a GPU (gpu.tenant): (bytes, processes)
+        self._probes_seen = set()  # their record folders: read again after they end, for their last growth
 
     @classmethod
     def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
         return cls(gpus, cap, alone_wait_s=recipe.ab.arm_timeout_s)
 
     # ---------------------------------------------------------------------------------------------- what is known
+
+    def _bytes(self, rec: Optional[tuple]) -> int:
+        """A record's need with the context as measured now: its peak plus `context` per process."""
+        return 0 if rec is None else rec[0] + self.context * rec[1]
 
     def _refresh(self) -> None:
         for live in self.live:
@@ -114,18 +121,25 @@ class Placer:
                     self._learn(job)
 
     def _learn(self, job) -> None:
-        need = read_record(job.out_dir, self.context)
-        if need is not None:
+        rec = record(job.out_dir)
+        if rec is not None:
             k = kind(job)
-            self.measured[k] = max(self.measured.get(k, 0), need)
+            old = self.measured.get(k, (0, 0))
+            self.measured[k] = (max(old[0], rec[0]), max(old[1], rec[1]))
+
+    def _used(self, i: int) -> tuple:
+        """(bytes in use on GPU `i` by every process but this one, its total)."""
+        free, total = self.query(i)
+        return total - free - self.own(i), total
 
     def observe(self) -> None:
         """What a process holds beyond its allocator's record, measured on the GPU: while one arm of this run is
-        alone on a GPU (no probe of this process there either) and its record holds steady, the GPU's use less its use before (`base`) and less the record,
-        per process of the arm, is that overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel
-        server's); where larger than `context`, it becomes `context` and every kind's measure grows with it.
-        Anything else that grew on the GPU meanwhile (another user's work) counts as the arm's: too much here starts
-        fewer arms at once, too little runs one out of memory. Also learns the most a probe has needed."""
+        alone on a GPU, no probe there, and its record has not changed for STEADY_S, the GPU's use by others than
+        this process, less that use before the arm (`base`) and less the record, per process of the arm, is that
+        overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel server's); where larger than
+        `context`, it becomes `context`, and every need is computed with it. Anything else that grew on the GPU
+        meanwhile (another user's work) counts as the arm's: too much here starts fewer arms at once, too little runs
+        one out of memory. Also follows each kind's records and the largest a probe has needed."""
         now = time.monotonic()
         if now - self._observed_at < OBSERVE_S:
             return
@@ -136,48 +150,53 @@ class Placer:
                     self._learn(job)
         for i, live in enumerate(self.live):
             probes = G.tenants(self.locks[i])
-            for folder in probes:
-                self.probe_need = max(self.probe_need, read_record(folder, self.context) or 0)
-            if probes:  # its memory would count as the arm's
+            self._probes_seen.update(probes)
+            if probes:  # their memory would count as the arm's, and the use before them is not the use after
+                self.base[i] = None
                 continue
             if not live:
-                free, total = self.query(i)
-                self.base[i] = total - free
+                self.base[i] = self._used(i)[0]
                 continue
             if len(live) != 1 or self.base[i] is None:
                 continue
             (job, _), = live.values()
-            rec, before = record(job.out_dir), self._steady.get(job.key)
-            self._steady[job.key] = rec
-            if rec is None or rec != before:
+            rec = record(job.out_dir)
+            was, since = self._steady.get(job.key, (None, now))
+            if rec != was:
+                self._steady[job.key] = (rec, now)
                 continue
-            free, total = self.query(i)
-            extra = (total - free - self.base[i] - rec[0]) // rec[1]
+            if rec is None or now - since < STEADY_S:
+                continue
+            extra = (self._used(i)[0] - self.base[i] - rec[0]) // rec[1]
             if extra > self.context:
                 self.say(f"  GPU {self.gpus[i]}: a process holds {G.gib(extra)} beyond its allocator (measured while "
                          f"{job.key} ran alone there); arms are sized with it", flush=True)
-                grown = extra - self.context
                 self.context = extra
-                self.measured = {k: v + grown for k, v in self.measured.items()}
+        for folder in self._probes_seen:
+            rec = record(folder)
+            if rec is not None and self._bytes(rec) > self._bytes(self.probe_peak):
+                self.probe_peak = rec
 
     def need(self, job) -> Optional[int]:
         """Bytes `job` needs: its kind's measure, else the largest need known (its record of an earlier run among
-        them); None where nothing is known."""
+        them; one process more for a candidate's arm, its kernel server); None where nothing is known."""
         if kind(job) in self.measured:
-            return self.measured[kind(job)]
+            return self._bytes(self.measured[kind(job)])
         known = list(self.measured.values()) + ([job.memory_record] if getattr(job, "memory_record", None) else [])
-        return max(known) if known else None
+        if not known:
+            return None
+        extra = self.context if kind(job)[1] == "candidate" else 0
+        return max(self._bytes(r) for r in known) + extra
 
     def _yet_to_take(self, job) -> int:
         """What a running arm will still take beyond what it holds now (nothing held: not started on CUDA yet)."""
-        need = self.need(job) or 0
-        held = read_record(job.out_dir, self.context) or 0
-        return max(0, need - held)
+        return max(0, (self.need(job) or 0) - self._bytes(record(job.out_dir)))
 
     def _probes_yet_to_take(self, i: int) -> int:
-        """What this process's probes on GPU `i` may still take: the most a probe has needed here, less what each
-        holds now (their sweeps run beside the arms: ab/soak.py, ab/run.py)."""
-        return sum(max(0, self.probe_need - (read_record(f, self.context) or 0)) for f in G.tenants(self.locks[i]))
+        """What the probes on GPU `i` (any process's: gpu.tenant) may still take: the most a probe has needed, less
+        what each holds now (a soak's and an A/B's probes run beside their arms)."""
+        most = self._bytes(self.probe_peak)
+        return sum(max(0, most - self._bytes(record(f))) for f in G.tenants(self.locks[i]))
 
     # -------------------------------------------------------------------------------------------------- deciding
 

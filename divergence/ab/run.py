@@ -129,7 +129,7 @@ def _check_gpu_memory(recipe, corpus, opts) -> None:
     from ..model.transformer import Transformer
     from ..train.arm import model_vocab
 
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with torch.device("meta"):  # no memory, no generator drawn from
         model = Transformer(recipe.model, model_vocab(recipe, corpus), build_kernels())
     n = sum(p.numel() for p in model.parameters())
     G.check_fits(n, {o: recipe.optimizers[o] for o in opts}, G.mem_get_info(0)[1], str(recipe.path))

@@ -62,9 +62,9 @@ class Job:
     out_dir: Path
     spec: object  # ArmSpec
     recipe: object = None  # this job's recipe where a soak mixes several (seeds); None: the run's recipe
-    # Bytes of GPU memory an arm like this one needed in an earlier run (ab/share.py: the arms cache's record),
-    # a first guess until an arm of its kind is measured here (ab/memory.py)
-    memory_record: Optional[int] = None
+    # (peak reserved bytes, processes) of an arm like this one in an earlier run (ab/share.py: the arms cache's
+    # record, gpu.record), a first guess until an arm of its kind is measured here (ab/memory.py)
+    memory_record: Optional[tuple] = None
     alone: bool = False  # to train with its GPU to itself: it ran out of GPU memory beside other work (ab/memory.py)
 
 
@@ -163,7 +163,9 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     if world is not None and _cuda_started_before_fork():  # here, after the log: its last words name the cause
         raise RuntimeError("the fork server had started CUDA before forking this arm, which CUDA does not "
                            "survive; set ab.arm_start: spawn")
-    watch_arm(out_dir)  # its GPU memory's peak, for the scheduler to size the next arms by (ab/memory.py)
+    from ..sandbox.client import gpu_reserved
+
+    watch_arm(out_dir, gpu_reserved)  # its GPU memory's peak (its kernel servers' too), for the scheduler (memory.py)
     from ..detect.lockstep import Lockstep
     from ..train import module  # noqa: F401  (Lightning: 5-20 s of a spawned arm's start on 2 cores)
     from ..train.arm import run_arm

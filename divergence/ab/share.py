@@ -247,14 +247,14 @@ def _hand_on_records(todo: list, groups: dict, source: dict) -> None:
     needed (ab/memory.py reads it as a first guess until an arm of the job's kind is measured in this run): where
     the reference and null arms come from the cache, the candidate's arms then start beside each other at once
     instead of the first alone. Same GPU model: the device is part of the arm key."""
-    from .memory import read_record
+    from ..gpu import record
 
     records = {}
     for key, (folder, _) in source.items():
-        need = read_record(folder)
-        if need is not None:
+        rec = record(folder)  # (peak reserved bytes, processes): the scheduler adds each process's context
+        if rec is not None:
             opt = groups[key][0]["optimizer"]
-            records[opt] = max(records.get(opt, 0), need)
+            records[opt] = max(records.get(opt, rec), rec)
     for job in todo:
         job.memory_record = records.get(job.spec.optimizer, job.memory_record)
 

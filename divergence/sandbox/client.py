@@ -121,8 +121,15 @@ class CallTiming:
 def gpu_reserved() -> tuple:
     """(bytes, servers): the GPU memory peaks this process's live kernel servers reported, summed, and how many of
     them use a GPU; each is a process of its own with its own CUDA context (ab/memory.watch_arm counts both)."""
-    peaks = [s.reserved for s in list(_LIVE) if not s.closed and s.reserved > 0]
+    peaks = [s.reserved for s in list(_LIVE) if not s.closed and s.on_gpu]
     return sum(peaks), len(peaks)
+
+
+def _gpu_total() -> int:
+    """The memory of this process's GPU (0 where it has not started CUDA: a server's GPU figure is then ignored)."""
+    if not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 def describe(how: Optional[str]) -> str:
@@ -199,6 +206,7 @@ class KernelServer:
         self.mirrors: dict = {}  # token -> weakref to the storage of ours an output buffer of theirs comes back into
         self.cuda = None  # "ipc" or "copy", decided at the first call with GPU tensors
         self.reserved = 0  # the peak of GPU memory the server's allocator reserved, as its replies say
+        self.on_gpu = False  # whether its replies say it uses a GPU (a CUDA context of its own, whatever it reserved)
         self.timing = CallTiming()
         self._pool = None
         _LIVE.add(self)
@@ -292,7 +300,9 @@ class KernelServer:
         self._read = 0
         try:
             h = wire.recv_header(self.conn)
-            self.reserved = max(self.reserved, wire._int(h.get("reserved") or 0))
+            if "reserved" in h:  # its GPU memory peak, no more than the GPU has: a server's word sizes others' arms
+                self.reserved = max(self.reserved, min(wire._int(h["reserved"]), _gpu_total()))
+                self.on_gpu = True
         except (EOFError, OSError):
             self._lost()
         except (ValueError, RecursionError) as e:

@@ -790,7 +790,7 @@ class Server:
                                            "n": t.numel() * t.element_size()})
             bufs.append(memoryview(t.numpy()).cast("B") if t.numel() else b"")
         torch = self.torch
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             # its allocator's peak, for the trusted side's sizing of arms per GPU (ab/memory.py): a lower figure
             # than the truth only gets the arm re-run with the GPU to itself, once it runs out
             reply["reserved"] = int(torch.cuda.max_memory_reserved())

@@ -42,8 +42,9 @@ def reference(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, 
 
 
 # Tokens per slice of the oracle: a slice's float64 temporaries (tokens x hidden) stay at 2^25 elements, 256 MiB.
-# Whole, at a declared workload of 262,144 tokens x hidden 4096, the float64 copies and temporaries took tens of GiB:
-# the probe's worker reserved 30-56 GiB on an H100 beside a soak's arms of 35 GiB each (2026-11-27).
+# Whole, the float64 copies and temporaries grow with the tokens: 14.00 GiB at 65,536 tokens x hidden 4096 against
+# 3.50 GiB sliced (benchmarks/oracle_memory.py, CPU, 2026-11-27), and the probe's families reach 131,072 tokens
+# (`production`) and its workloads' largest; its workers reserved 30-56 GiB on an H100 beside a soak's arms.
 ORACLE_SLICE_ELEMENTS = 1 << 25
 
 

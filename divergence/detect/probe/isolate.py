@@ -195,7 +195,9 @@ def _serve(conn, slot, spec, device, seed, fams, names, log_path, rebuild=None, 
     call.Prepared when forked (its families built there), else None: built here."""
     _become_worker(log_path, device)
     if device == "cuda":  # its memory, for an A/B's scheduler beside it (gpu.tenant: probe/run.py)
-        G.watch_arm(Path(log_path).parent)
+        from ...sandbox.client import gpu_reserved
+
+        G.watch_arm(Path(log_path).parent, gpu_reserved)
     from ...slots import SLOTS
     from . import call  # noqa: F401 (the harness's modules load before the candidate's, as they always have)
 

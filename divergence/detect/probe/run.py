@@ -71,7 +71,9 @@ def run_probe(slot: str, candidate_spec: Optional[str], out_dir, seed: Optional[
     seed = fresh_seed() if seed is None else int(seed)
     with contextlib.ExitStack() as stay:
         if device == "cuda":  # the whole probe (its captured families' training run too) is on cuda:0, where an
-            # A/B's scheduler counts what it may yet take (ab/memory.Placer); its workers record their memory here
+            # A/B's scheduler counts what it may yet take (ab/memory.Placer); its workers record their memory here.
+            # What this process's allocator kept of it (the capture run trains here) goes back to the GPU after.
+            stay.callback(torch.cuda.empty_cache)
             gpu = isolate.gpu_for(device)
             stay.enter_context(G.tenant(gpu.lock, out_dir))
         return _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only, echo, shapes, limits,
