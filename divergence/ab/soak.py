@@ -208,6 +208,11 @@ def cmd_soak(args, publish=None) -> int:
     if backend != "ray":  # Ray's workers start their own processes
         start_server_early(base, device)
     corpora = _corpora(cells)
+    if device == "cuda" and backend != "ray":  # a model too large for this GPU: one line before any probe or arm
+        from .run import _check_gpu_memory
+
+        for recipe in {repr(c[3].model): c[3] for c in cells}.values():
+            _check_gpu_memory(recipe, corpora[_corpus_key(recipe)], opts)
     workers = _workers(base, device)
     where = f"{device}, {workers} at a time"
     gpus = None
