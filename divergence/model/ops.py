@@ -4,9 +4,10 @@
   embedding and norm-weight gradients, which become the parameters' `.grad`.
 - `rmsnorm` forward and `rmsnorm_backward` are a pair of slots joined in one autograd.Function; so are `swiglu` and
   `swiglu_backward` where the backward is not the plain reference (else `swiglu` is a forward slot as below).
-- Forward slots (`rope`, `attn_softcap`, `swiglu`, `cross_entropy`): the implementation's output flows forward; a
-  non-reference implementation gets its gradients from the reference's vector-Jacobian product at the same inputs,
-  so a wrong forward shows up as wrong activations, not as a second, unrelated gradient bug.
+- Forward slots (`add_rmsnorm`, `qkv_proj`, `rope`, `attn_softcap`, `swiglu`, `cross_entropy`): the
+  implementation's output flows forward; a non-reference implementation gets its gradients from the reference's
+  vector-Jacobian product at the same inputs, so a wrong forward shows up as wrong activations, not as a second,
+  unrelated gradient bug.
 - A forward slot with declared dtypes (a declared SOL problem's: Kernels.dtypes) is called on its inputs cast to
   them and its outputs cast back, both with autograd (`declared`): the gradients pass through the problem's dtypes
   as they would in a step computed in them, in every arm alike.

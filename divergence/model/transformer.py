@@ -2,6 +2,7 @@
 
     ids -> [fused_embed_rmsnorm] -> blocks x n_layers -> [rmsnorm] -> head (-> final softcap) -> [cross_entropy]
     block: x + attn([rmsnorm](x)), then x + mlp([rmsnorm](x))
+           (each residual add with the norm after it: [add_rmsnorm](sublayer out, x), the sum beside it)
     attn:  [qkv_proj] -> [rope] -> q k^T / sqrt(hd) -> causal mask -> [attn_softcap] (or SDPA without a cap) -> @ v
            -> proj    (grouped-query: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads query heads)
     mlp:   [swiglu](x W_gate, x W_up) W_down            (its backward: [swiglu_backward])
@@ -29,6 +30,18 @@ class Norm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.kernels = eps, kernels
+
+    def after_add(self, x, delta):
+        """(x + delta, this norm of it): a residual add and the norm that reads the sum. Through the add_rmsnorm
+        slot (delta its hidden_states, x its residual) where that is not the plain reference, the sum added beside
+        it for the residual stream; else the sum, then this norm (the rmsnorm slot), as without the add slot.
+        delta None: x alone (the first block's, the embedding's output)."""
+        if delta is None:
+            return x, self(x)
+        if self.kernels.is_plain("add_rmsnorm"):
+            x = x + delta
+            return x, self(x)
+        return x + delta, call_forward_slot(self.kernels, "add_rmsnorm", delta, x, self.weight, self.eps)
 
     def forward(self, x):
         if self.kernels.is_plain("rmsnorm") and self.kernels.is_plain("rmsnorm_backward"):
@@ -104,9 +117,12 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg.d_model, cfg.norm_eps, kernels)
         self.mlp = MLP(cfg, kernels)
 
-    def forward(self, x, position_ids, inv_freq, rope_tables=None):
-        x = x + self.attn(self.attn_norm(x), position_ids, inv_freq, rope_tables)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, delta, position_ids, inv_freq, rope_tables=None):
+        """(x, delta) -> (x, delta): the stream and the previous sublayer's output, not yet added (it is added
+        where the next norm reads the sum: Norm.after_add)."""
+        x, h = self.attn_norm.after_add(x, delta)
+        x, h = self.mlp_norm.after_add(x, self.attn(h, position_ids, inv_freq, rope_tables))
+        return x, self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -184,13 +200,14 @@ class Transformer(nn.Module):
         return self._rope_cache[key]
 
     def _body(self, x, position_ids, targets, tables=None):
+        delta = None
         for block in self.blocks:
-            x = block(x, position_ids, self.inv_freq, tables)
-        return self._tail(x, targets)
+            x, delta = block(x, delta, position_ids, self.inv_freq, tables)
+        return self._tail(x, delta, targets)
 
-    def _tail(self, x, targets):
+    def _tail(self, x, delta, targets):
         B, S, _ = x.shape
-        logits = self.head(self.final_norm(x))  # (B, S, V)
+        logits = self.head(self.final_norm.after_add(x, delta)[1])  # (B, S, V)
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
             logits = c * torch.tanh(logits / c)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from . import (attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward, rope, swiglu,
-               swiglu_backward)
+from . import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward, rope,
+               swiglu, swiglu_backward)
 
 
 def _embed_permuted(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
@@ -48,6 +48,12 @@ def _rmsnorm_bwd_split(grad_output, x, weight, eps):
     gx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * r
     gw = (go * xhat).reshape(-1, xf.shape[-1]).flip(0).sum(0)
     return gx.to(grad_output.dtype), gw.to(weight.dtype)
+
+
+def _add_rmsnorm_div(hidden_states, residual, weight, eps):
+    """The sum in fp32, divided by the root instead of multiplied by its reciprocal."""
+    x = residual.float() + hidden_states.float()
+    return (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(hidden_states.dtype)
 
 
 def _qkv(x, weights, head_dim, linear):
@@ -126,6 +132,10 @@ NULLS: dict = {
     "rmsnorm_backward": [
         (_rmsnorm_bwd_split, "normalised-input form, weight gradient summed in reversed row order"),
         (_oracle_down(rmsnorm_backward.oracle, lambda i: [i[0].dtype, i[2].dtype]), "float64 cast down"),
+    ],
+    "add_rmsnorm": [
+        (_add_rmsnorm_div, "fp32 sum divided by sqrt(mean of squares + eps)"),
+        (_oracle_down(add_rmsnorm.oracle, lambda i: [i[0].dtype]), "float64 cast down"),
     ],
     "qkv_proj": [
         (_qkv_halves, "the hidden axis summed in two halves, added after (fp32, cast once)"),
@@ -217,6 +227,18 @@ def _rmsnorm_bwd_family(k):
     return fn, f"row and hidden-axis sums in the order of permutation {k}"
 
 
+def _add_rmsnorm_family(k):
+    perm = _Orders(k)
+
+    def fn(hidden_states, residual, weight, eps):
+        x = hidden_states.float() + residual.float()
+        p = perm(x.shape[-1], x.device)
+        ms = x[..., p].pow(2).mean(-1, keepdim=True)
+        return (x * torch.rsqrt(ms + eps) * weight.float()).to(hidden_states.dtype)
+
+    return fn, f"the sum's mean of squares over the hidden axis in the order of permutation {k}"
+
+
 def _qkv_family(k):
     perm = _Orders(k)
 
@@ -297,7 +319,7 @@ def _ce_family(k):
 
 FAMILY: dict = {
     "fused_embed_rmsnorm": _embed_family, "rmsnorm": _rmsnorm_family, "rmsnorm_backward": _rmsnorm_bwd_family,
-    "qkv_proj": _qkv_family,
+    "add_rmsnorm": _add_rmsnorm_family, "qkv_proj": _qkv_family,
     "rope": _rope_family, "attn_softcap": _softcap_family, "swiglu": _swiglu_family,
     "swiglu_backward": _swiglu_bwd_family, "cross_entropy": _ce_family,
 }

@@ -13,6 +13,8 @@ reference, which the cross-check runs through the same adapter before anything i
     rope_cos_sin         L1/088                                 rope              cos/sin [S, D] from the positions
     residual_rmsnorm_bwd L1/013                                 rmsnorm_backward  normalized, rstd from x and eps
     silu_backward        L1/084                                 swiglu_backward   SiLU's backward of grad_out * up
+    fused_add_rmsnorm    FlashInfer-Bench fused_add_rmsnorm_h*  add_rmsnorm       rows as [rows, H]; eps baked
+    post_norm_residual   L1/033                                 add_rmsnorm       sublayer_output, rows [B, S, H]
 
 What a problem bakes in (a softcap, an eps) is no input of its `run`: the slot's input of that name is set to the
 declared value wherever the slot is called under such a problem (`baked`: slot input -> declared constant; the
@@ -246,7 +248,68 @@ SILU_BACKWARD = Problem(
 )
 
 
-PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD, SILU_BACKWARD)}
+# ------------------------------------------------------------------ fused_add_rmsnorm (FlashInfer), post_norm_residual
+
+
+def _fused_add_rmsnorm_adapt(run, hidden_states, residual, weight, eps):
+    """Both terms of any rank as [rows, H]; eps is the problem's own (baked), which the model and the probe
+    declare."""
+    H = hidden_states.shape[-1]
+    y = _one(run(hidden_states.reshape(-1, H), residual.reshape(-1, H), weight))
+    return y.reshape(hidden_states.shape)
+
+
+def _rows3(x):
+    return x.reshape(x.shape if x.dim() == 3 else (1, -1, x.shape[-1]))
+
+
+def _post_norm_residual_adapt(run, hidden_states, residual, weight, eps):
+    """The sublayer's output is the slot's hidden_states; both terms as [B, S, H] (rows of any other rank as one
+    sequence)."""
+    y = _one(run(_rows3(hidden_states), _rows3(residual), weight, eps))
+    return y.reshape(hidden_states.shape)
+
+
+def _add_norm_axes(first: str, rows: tuple) -> dict:
+    return {first: (FLOATS, rows), "residual": (FLOATS, rows), "weight": (FLOATS, ("hidden",)),
+            "output": (FLOATS, rows)}
+
+
+FUSED_ADD_RMSNORM = Problem(
+    name="fused_add_rmsnorm",
+    slot="add_rmsnorm",
+    contract=_signature(
+        "add_rmsnorm", ("hidden_states", "residual", "weight"), ("output",),
+        _add_norm_axes("hidden_states", ("rows", "hidden")),
+        lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype)],
+        "run(hidden_states[rows, H], residual[rows, H], weight[H]) -> output = rmsnorm(residual + hidden_states) * "
+        "weight; eps baked in"),
+    adapt=_fused_add_rmsnorm_adapt,
+    dtypes={"hidden_states": "hidden_states", "residual": "residual", "weight": "weight"},
+    baked={"eps": "eps"},
+    problems="FlashInfer-Bench fused_add_rmsnorm_h2048, h4096, h7168",
+    model="the residual add and the next norm of every block (x + attention's output -> the MLP's norm, x + the "
+          "MLP's output -> the next block's or the final norm), on [B x S, H]; eps set by the definition",
+)
+
+POST_NORM_RESIDUAL = Problem(
+    name="post_norm_residual",
+    slot="add_rmsnorm",
+    contract=_signature(
+        "add_rmsnorm", ("sublayer_output", "residual", "weight", "eps"), ("output",),
+        {**_add_norm_axes("sublayer_output", ("batch", "seq", "hidden")), "eps": ("float32", ())},
+        lambda inputs: [(tuple(inputs[0].shape), inputs[0].dtype)],
+        "run(sublayer_output[B, S, H], residual[B, S, H], weight[H], eps) -> output = rmsnorm(residual + "
+        "sublayer_output) * weight"),
+    adapt=_post_norm_residual_adapt,
+    dtypes={"hidden_states": "sublayer_output", "residual": "residual", "weight": "weight"},
+    problems="L1/033 post_norm_residual",
+    model="the residual add and the next norm of every block, the sublayer's output as sublayer_output",
+)
+
+
+PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD, SILU_BACKWARD,
+                                      FUSED_ADD_RMSNORM, POST_NORM_RESIDUAL)}
 
 
 def for_slot(slot: str) -> list:

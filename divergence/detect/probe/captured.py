@@ -42,6 +42,7 @@ BATCHED = {
     "fused_embed_rmsnorm": ("grad_output", "input_ids", "hidden_states_fp32", "rstd"),
     "rmsnorm": ("x",),
     "rmsnorm_backward": ("grad_output", "x"),
+    "add_rmsnorm": ("hidden_states", "residual"),
     "qkv_proj": ("hidden_states",),
     "rope": ("q", "k", "position_ids"),
     "attn_softcap": ("scores",),

@@ -1,4 +1,4 @@
-"""The input families of rmsnorm, rmsnorm_backward, qkv_proj, rope, attn_softcap and swiglu_backward at declared
+"""The input families of rmsnorm, rmsnorm_backward, add_rmsnorm, qkv_proj, rope, attn_softcap and swiglu_backward at declared
 shapes: a problem's axes, the dtypes it calls the slot in and the constants it bakes in (slots/problems.py), with
 the variable axes from one row up to the device's size, and the definition's own workloads.
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ...slots import SLOTS, rmsnorm, rmsnorm_backward, rope, swiglu_backward
+from ...slots import SLOTS, add_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu_backward
 from ...slots.problems import CONSTANT_INPUTS, declare_inputs, declared_dtypes
 from . import inputs as fi
 from .magnitudes import GRID, Sweep, _family as _scaled_family
@@ -29,7 +29,8 @@ ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 # seconds; qkv_proj at hidden 2048 (6.5M, a 3072 x 2048 weight) would take many minutes.
 LONG_CPU_ELEMENTS = 1 << 20
 WORKLOAD_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}  # a workload family's input elements, at most
-SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "qkv_proj", "rope", "attn_softcap", "swiglu_backward")
+SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "add_rmsnorm", "qkv_proj", "rope", "attn_softcap",
+                  "swiglu_backward")
 
 
 def _dtype(shapes: dict, slot: str, name: str):
@@ -84,7 +85,7 @@ def _softcap_families(shapes: dict, device: str) -> list:
 
 def _norm_families(mod, shapes: dict, device: str) -> list:
     hidden = shapes.get("hidden", 64)
-    dt = _dtype(shapes, mod.CONTRACT.name, "x")
+    dt = _dtype(shapes, mod.CONTRACT.name, FIRST_INPUT[mod.CONTRACT.name])
     top = max(1, min(fi.PRODUCTION_TOKENS, ELEMENTS[device] // hidden))
     n = fi._norm
     return [
@@ -175,6 +176,7 @@ BUILDERS = {
     "qkv_proj": _qkv_families,
     "rmsnorm": lambda shapes, device: _norm_families(rmsnorm, shapes, device),
     "rmsnorm_backward": lambda shapes, device: _norm_families(rmsnorm_backward, shapes, device),
+    "add_rmsnorm": lambda shapes, device: _norm_families(add_rmsnorm, shapes, device),
     "rope": _rope_families,
 }
 
@@ -248,10 +250,10 @@ def _qkv_workload(w: dict, dt):
 
 
 WORKLOADS = {"attn_softcap": _softcap_workload, "qkv_proj": _qkv_workload, "rmsnorm": _norm_workload(rmsnorm),
-             "rmsnorm_backward": _norm_workload(rmsnorm_backward), "rope": _rope_workload,
-             "swiglu_backward": _swiglu_bwd_workload}
-FIRST_INPUT = {"qkv_proj": "hidden_states", "attn_softcap": "scores", "rmsnorm": "x", "rmsnorm_backward": "x",
-               "rope": "q", "swiglu_backward": "gate"}
+             "rmsnorm_backward": _norm_workload(rmsnorm_backward), "add_rmsnorm": _norm_workload(add_rmsnorm),
+             "rope": _rope_workload, "swiglu_backward": _swiglu_bwd_workload}
+FIRST_INPUT = {"add_rmsnorm": "hidden_states", "qkv_proj": "hidden_states", "attn_softcap": "scores", "rmsnorm": "x",
+               "rmsnorm_backward": "x", "rope": "q", "swiglu_backward": "gate"}
 
 
 def _workload_families(slot: str, workloads: list, shapes: dict, device: str) -> tuple:

@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import (attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward, rope,
-                      swiglu, swiglu_backward)
+from ...slots import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm,
+                      rmsnorm_backward, rope, swiglu, swiglu_backward)
 from . import longrun
 
 FREQUENT_ROWS = 16  # rows checked one by one in a scatter output: the most frequent ids, those seen twice or more
@@ -183,15 +183,20 @@ def embed_families(text: RealText) -> list:
     return fams
 
 
+NORMED = ("x", "hidden_states", "residual")  # a norm slot's inputs whose rows it normalises (add_rmsnorm: their sum)
+
+
 def _norm(mod, name, rows, hidden, scale=1.0, row_scales=False, dtype=torch.float32, **kw):
-    """rmsnorm / rmsnorm_backward: `scale` multiplies x; `row_scales` gives every row its own, 1e-4 to 1e4."""
-    x_at = mod.CONTRACT.inputs.index("x")
+    """rmsnorm / rmsnorm_backward / add_rmsnorm: `scale` multiplies the normalised rows (x, or both terms of the
+    sum); `row_scales` gives every row its own, 1e-4 to 1e4."""
+    rows_at = [i for i, n in enumerate(mod.CONTRACT.inputs) if n in NORMED]
 
     def build(gen, device):
         inputs = list(mod.make_inputs(gen, device, rows=rows, hidden=hidden, scale=scale, dtype=dtype))
         if row_scales:
             s = torch.pow(10.0, torch.empty(rows, 1).uniform_(-4, 4, generator=gen)).to(device)
-            inputs[x_at] = (inputs[x_at].float() * s).to(dtype)
+            for i in rows_at:
+                inputs[i] = (inputs[i].float() * s).to(dtype)
         return Case(tuple(inputs))
 
     return Family(name, _shape(dict(rows=rows, hidden=hidden), dtype, scale=(scale, 1.0)), build, **kw)
@@ -380,6 +385,7 @@ FAMILIES: dict = {  # slot -> its families, given the real text (which only two 
     "qkv_proj": lambda text: qkv_families(),
     "rope": lambda text: rope_families(),
     "attn_softcap": lambda text: softcap_families(),
+    "add_rmsnorm": lambda text: norm_families(add_rmsnorm),
     "swiglu": lambda text: swiglu_families(),
     "swiglu_backward": lambda text: swiglu_families(swiglu_backward),
     "cross_entropy": ce_families,

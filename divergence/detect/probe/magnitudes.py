@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import (SLOTS, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward,
+from ...slots import (SLOTS, add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward,
                       rope, swiglu, swiglu_backward)
 from .inputs import Case, Family, frequent_rows, zipf_ids
 
@@ -67,6 +67,8 @@ SWEEPS: dict = {
                      dict(rows=256, hidden=64)),
     "rmsnorm_backward": Sweep(_plain(rmsnorm_backward, rows=256, hidden=64),
                               {"grad_output": 1e-3, "x": 1.0, "weight": 1.0, "eps": 1e-6}, dict(rows=256, hidden=64)),
+    "add_rmsnorm": Sweep(_plain(add_rmsnorm, rows=256, hidden=64),
+                         {"hidden_states": 1.0, "residual": 1.0, "weight": 1.0, "eps": 1e-6}, dict(rows=256, hidden=64)),
     "qkv_proj": Sweep(_qkv_make, {"hidden_states": 1.0, "q_weight": 0.02, "k_weight": 0.02, "v_weight": 0.02},
                       dict(batch=2, seq=64, hidden=64, heads=4, head_dim=16)),
     "rope": Sweep(_plain(rope, batch=2, heads=2, seq=64, head_dim=16), {"q": 1.0, "k": 1.0, "inv_freq": 1.0},
