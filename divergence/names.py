@@ -3,5 +3,5 @@ recipe.py never imports the layers that implement them (slots/, train/). tests/t
 registries (slots.SLOTS, train.optim.OPTIMIZERS) hold exactly these names, in this order."""
 
 SLOT_NAMES = ("fused_embed_rmsnorm", "rmsnorm", "rmsnorm_backward", "add_rmsnorm", "qkv_proj", "rope", "attn_softcap",
-              "swiglu", "swiglu_backward", "cross_entropy")
+              "swiglu", "swiglu_backward", "geglu", "cross_entropy")
 OPTIMIZER_NAMES = ("sgd", "adamw", "adafactor")

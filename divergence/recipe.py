@@ -58,6 +58,9 @@ class DataConfig:
             raise RecipeError(f"{_j(where)}val_fraction: {self.val_fraction} must lie in (0, 0.5)")
 
 
+MLPS = ("swiglu", "geglu")  # model.mlp: the slot that gates the MLP
+
+
 @dataclass
 class ModelConfig:
     n_layers: int = 2  # transformer blocks
@@ -65,7 +68,8 @@ class ModelConfig:
     n_heads: int = 4  # attention heads; must divide d_model unless head_dim is given
     head_dim: Optional[int] = None  # attention head size; None = d_model / n_heads (Gemma-2: 256, not 3584/16)
     n_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention: fewer than n_heads); None = n_heads
-    d_ff: int = 176  # SwiGLU hidden width
+    d_ff: int = 176  # the MLP's hidden width (of its gate and up projections)
+    mlp: str = "swiglu"  # the MLP's gate: swiglu (Llama's silu) or geglu (Gemma's gelu_tanh), each its own slot
     seq_len: int = 64  # tokens per sequence
     vocab_size: Optional[int] = None  # embedding rows; None takes the tokenizer's size (must not be smaller)
     rope_theta: float = 10000.0  # RoPE base
@@ -103,6 +107,8 @@ class ModelConfig:
         if self.head_size % 2 or self.head_size <= 0:
             raise RecipeError(f"{_j(where)}{'head_dim' if self.head_dim else 'n_heads'}: head size {self.head_size} "
                               "must be even and positive for RoPE")
+        if self.mlp not in MLPS:
+            raise RecipeError(f"{_j(where)}mlp: unknown MLP {self.mlp!r}; known: {', '.join(MLPS)}")
         if self.base_width is not None and self.base_width <= 0:
             raise RecipeError(f"{_j(where)}base_width: must be positive or null, got {self.base_width}")
         if self.rope_scaling is not None:

@@ -151,7 +151,8 @@ def model_overrides(model: dict, data: dict, shapes: dict, default) -> tuple:
       (data.vocab_size), a larger one leaves rows unused.
     - heads: model.n_heads, the width kept (its head size re-derived, unless `head_dim` is declared too);
       kv_heads: model.n_kv_heads (grouped-query attention).
-    - eps, softcap: model.norm_eps, model.attn_softcap; dtypes: model.slot_dtypes.
+    - eps, softcap: model.norm_eps, model.attn_softcap; dtypes: model.slot_dtypes (and model.mlp: geglu for a
+      problem of the geglu slot).
     `default`: a ModelConfig() for the keys the recipe leaves out (passed in: recipe.py imports this module).
     """
     model, data = dict(model or {}), dict(data or {})
@@ -187,6 +188,8 @@ def model_overrides(model: dict, data: dict, shapes: dict, default) -> tuple:
         model["attn_softcap"] = shapes["softcap"]
     if shapes.get("dtypes"):
         model["slot_dtypes"] = {**(model.get("slot_dtypes") or {}), **shapes["dtypes"]}
+        if "geglu" in shapes["dtypes"]:  # a GeGLU problem: the model's MLP is Gemma's, where the slot is called
+            model["mlp"] = "geglu"
     if "vocab" in shapes:
         v = shapes["vocab"]
         model["vocab_size"] = v

@@ -163,6 +163,8 @@ def _asked(args) -> tuple:
     overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
     if args.seed is not None:
         overrides["seed"] = args.seed
+    if slot == "geglu":  # only Gemma's MLP calls it: every arm's model takes that MLP
+        overrides.setdefault("model", {})["mlp"] = "geglu"
     if shapes:
         # As an override, so that plan.json (and --resume) rebuild the same model; the recipe's own
         # `shapes:` fill the axes nothing else declares.

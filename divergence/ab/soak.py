@@ -420,6 +420,8 @@ def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str, b
     overrides = {**soak["overrides"], "seed": seed}
     if cand["shapes"]:  # as `ab` does: an override, which plan.json keeps; the recipe's `shapes:` fill the rest
         overrides["shapes"] = {**base_shapes, **cand["shapes"]}
+    if cand["kernel"] == "geglu":  # as `ab` does: only Gemma's MLP calls it
+        overrides["model"] = {**(overrides.get("model") or {}), "mlp": "geglu"}
     recipe = load_recipe(soak["recipe"], overrides)
     cell_dir = out / label / f"seed-{seed}"
     cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,

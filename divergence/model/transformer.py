@@ -6,6 +6,7 @@
     attn:  [qkv_proj] -> [rope] -> q k^T / sqrt(hd) -> causal mask -> [attn_softcap] (or SDPA without a cap) -> @ v
            -> proj    (grouped-query: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads query heads)
     mlp:   [swiglu](x W_gate, x W_up) W_down            (its backward: [swiglu_backward])
+           or, under `model.mlp: geglu` (Gemma's), [geglu](x W_gate, x W_up) W_down
 The embedding's only consumer is the initial RMSNorm (SOL-ExecBench L1/087's pattern), so the embedding gradient
 is exactly what the `fused_embed_rmsnorm` slot computes.
 """
@@ -103,9 +104,11 @@ class MLP(nn.Module):
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-        self.kernels = kernels
+        self.kernels, self.geglu = kernels, cfg.mlp == "geglu"
 
     def forward(self, x):
+        if self.geglu:
+            return self.down(call_forward_slot(self.kernels, "geglu", self.gate(x), self.up(x)))
         return self.down(call_swiglu(self.kernels, self.gate(x), self.up(x)))
 
 

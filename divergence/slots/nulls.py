@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from . import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward, rope,
-               swiglu, swiglu_backward)
+from . import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
+               rmsnorm_backward, rope, swiglu, swiglu_backward)
 
 
 def _embed_permuted(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
@@ -94,6 +94,13 @@ def _swiglu_sigmoid(gate, up):
     return (up.float() * g * torch.sigmoid(g)).to(gate.dtype)
 
 
+def _geglu_formula(gate, up):
+    """gelu_tanh written out (0.5 g (1 + tanh(c (g + 0.044715 g^3)))), up multiplied first: another rounding."""
+    g = gate.float()
+    t = torch.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+    return ((up.float() * g) * (0.5 * (1 + t))).to(gate.dtype)
+
+
 def _swiglu_bwd_silu(grad_output, gate, up):
     """silu'(g) as s + silu(g) (1 - s): the same derivative, another association."""
     go, g, u = grad_output.float(), gate.float(), up.float()
@@ -156,6 +163,10 @@ NULLS: dict = {
     "swiglu_backward": [
         (_swiglu_bwd_silu, "silu'(gate) as s + silu(gate) (1 - s)"),
         (_oracle_down(swiglu_backward.oracle, lambda i: [i[1].dtype, i[2].dtype]), "float64 cast down"),
+    ],
+    "geglu": [
+        (_geglu_formula, "gelu_tanh written out, up multiplied by the gate first"),
+        (_oracle_down(geglu.oracle, lambda i: [i[0].dtype]), "float64 cast down"),
     ],
     "cross_entropy": [
         (_ce_manual, "logsumexp minus gathered target logit, mean in float64"),
@@ -290,6 +301,16 @@ def _swiglu_family(k):
     return fn, f"up scaled by {c:.4g} before the product and unscaled after"
 
 
+def _geglu_family(k):
+    c = 1.0 + k / 7.0  # never a power of two: the scaled products round differently
+
+    def fn(gate, up):
+        g = gate.float()
+        return ((up.float() * c) * torch.nn.functional.gelu(g, approximate="tanh") / c).to(gate.dtype)
+
+    return fn, f"up scaled by {c:.4g} before the product and unscaled after"
+
+
 def _swiglu_bwd_family(k):
     c = 1.0 + k / 7.0  # never a power of two: the scaled products round differently
 
@@ -321,7 +342,7 @@ FAMILY: dict = {
     "fused_embed_rmsnorm": _embed_family, "rmsnorm": _rmsnorm_family, "rmsnorm_backward": _rmsnorm_bwd_family,
     "add_rmsnorm": _add_rmsnorm_family, "qkv_proj": _qkv_family,
     "rope": _rope_family, "attn_softcap": _softcap_family, "swiglu": _swiglu_family,
-    "swiglu_backward": _swiglu_bwd_family, "cross_entropy": _ce_family,
+    "swiglu_backward": _swiglu_bwd_family, "geglu": _geglu_family, "cross_entropy": _ce_family,
 }
 
 

@@ -15,6 +15,7 @@ reference, which the cross-check runs through the same adapter before anything i
     silu_backward        L1/084                                 swiglu_backward   SiLU's backward of grad_out * up
     fused_add_rmsnorm    FlashInfer-Bench fused_add_rmsnorm_h*  add_rmsnorm       rows as [rows, H]; eps baked
     post_norm_residual   L1/033                                 add_rmsnorm       sublayer_output, rows [B, S, H]
+    geglu_halves         L1/085                                 geglu             x = [gate | up], [B, S, 2F]
 
 What a problem bakes in (a softcap, an eps) is no input of its `run`: the slot's input of that name is set to the
 declared value wherever the slot is called under such a problem (`baked`: slot input -> declared constant; the
@@ -308,8 +309,34 @@ POST_NORM_RESIDUAL = Problem(
 )
 
 
+# -------------------------------------------------------------------------------------- geglu_halves (L1/085)
+
+
+def _geglu_halves_adapt(run, gate, up):
+    """The problem's x is the gate and the up projection side by side, [gate | up] along its last axis (rows of any
+    other rank as one sequence); its output is the slot's."""
+    x = torch.cat([_rows3(gate), _rows3(up)], dim=-1)
+    return _one(run(x)).reshape(gate.shape)
+
+
+GEGLU_HALVES = Problem(
+    name="geglu_halves",
+    slot="geglu",
+    contract=_signature(
+        "geglu", ("x",), ("output",),
+        {"x": (FLOATS, ("batch", "seq", "ff_pair")), "output": (FLOATS, ("batch", "seq", "ff"))},
+        lambda inputs: [(tuple(inputs[0].shape[:-1]) + (inputs[0].shape[-1] // 2,), inputs[0].dtype)],
+        "run(x[B, S, 2F]) -> output[B, S, F] = gelu_tanh(x[..., :F]) * x[..., F:]"),
+    adapt=_geglu_halves_adapt,
+    dtypes={"gate": "x", "up": "x"},
+    problems="L1/085 geglu_activation",
+    model="the gate of every MLP under `model.mlp: geglu` (Gemma's), gelu_tanh(x W_gate) * x W_up, its width F the "
+          "model's d_ff",
+)
+
+
 PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD, SILU_BACKWARD,
-                                      FUSED_ADD_RMSNORM, POST_NORM_RESIDUAL)}
+                                      FUSED_ADD_RMSNORM, POST_NORM_RESIDUAL, GEGLU_HALVES)}
 
 
 def for_slot(slot: str) -> list:

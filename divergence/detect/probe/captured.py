@@ -48,6 +48,7 @@ BATCHED = {
     "attn_softcap": ("scores",),
     "swiglu": ("gate", "up"),
     "swiglu_backward": ("grad_output", "gate", "up"),
+    "geglu": ("gate", "up"),
     "cross_entropy": ("logits", "targets"),
 }
 # The code whose change changes what is captured: a new version is captured afresh.

@@ -1,6 +1,7 @@
-"""The input families of rmsnorm, rmsnorm_backward, add_rmsnorm, qkv_proj, rope, attn_softcap and swiglu_backward at declared
-shapes: a problem's axes, the dtypes it calls the slot in and the constants it bakes in (slots/problems.py), with
-the variable axes from one row up to the device's size, and the definition's own workloads.
+"""The input families of rmsnorm, rmsnorm_backward, add_rmsnorm, qkv_proj, rope, attn_softcap, swiglu_backward and
+geglu at declared shapes: a problem's axes, the dtypes it calls the slot in and the constants it bakes in
+(slots/problems.py), with the variable axes from one row up to the device's size, and the definition's own
+workloads.
 
 Each family is the slot's own (probe/inputs.py: the same names, magnitudes and layouts) drawn at the declared
 axes, then cast to the declared dtypes with the baked constants set (`slots.problems.declare_inputs`); families
@@ -19,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ...slots import SLOTS, add_rmsnorm, rmsnorm, rmsnorm_backward, rope, swiglu_backward
+from ...slots import SLOTS, add_rmsnorm, geglu, rmsnorm, rmsnorm_backward, rope, swiglu_backward
 from ...slots.problems import CONSTANT_INPUTS, declare_inputs, declared_dtypes
 from . import inputs as fi
 from .magnitudes import GRID, Sweep, _family as _scaled_family
@@ -30,7 +31,7 @@ ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 LONG_CPU_ELEMENTS = 1 << 20
 WORKLOAD_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}  # a workload family's input elements, at most
 SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "add_rmsnorm", "qkv_proj", "rope", "attn_softcap",
-                  "swiglu_backward")
+                  "swiglu_backward", "geglu")
 
 
 def _dtype(shapes: dict, slot: str, name: str):
@@ -154,16 +155,17 @@ def _qkv_families(shapes: dict, device: str) -> list:
     ]
 
 
-def _swiglu_bwd_families(shapes: dict, device: str) -> list:
+def _gated_families(mod, shapes: dict, device: str) -> list:
+    """swiglu_backward's and geglu's: the gate at every scale, where an exp of it (or a tanh through exp) overflows."""
     ff = shapes.get("ff", 176)
-    dt = _dtype(shapes, "swiglu_backward", "gate")
-    s = lambda *a, **kw: fi._swiglu(*a, dtype=dt, mod=swiglu_backward, **kw)  # noqa: E731
+    dt = _dtype(shapes, mod.CONTRACT.name, "gate")
+    s = lambda *a, **kw: fi._swiglu(*a, dtype=dt, mod=mod, **kw)  # noqa: E731
     return [
         s("contract", 256, ff, deep=True),
         s("scale-0.01", 256, ff, scale=0.01),
         s("scale-30", 256, ff, scale=30.0),
         s("scale-1000", 256, ff, scale=1000.0),  # exp(-gate) overflows fp32 past 88
-        s("odd", 37, ff + 1 if ff % 2 == 0 else ff),
+        s("odd", 37, ff if "ff" in shapes or ff % 2 else ff + 1),  # a declared width is the problem's: rows only
         s("batch-1", 1, ff),
         s("largest", max(1, min(fi.PRODUCTION_TOKENS, ELEMENTS[device] // ff)), ff),
         fi.long_run(s("contract", 256, ff)),
@@ -172,7 +174,8 @@ def _swiglu_bwd_families(shapes: dict, device: str) -> list:
 
 BUILDERS = {
     "attn_softcap": _softcap_families,
-    "swiglu_backward": _swiglu_bwd_families,
+    "swiglu_backward": lambda shapes, device: _gated_families(swiglu_backward, shapes, device),
+    "geglu": lambda shapes, device: _gated_families(geglu, shapes, device),
     "qkv_proj": _qkv_families,
     "rmsnorm": lambda shapes, device: _norm_families(rmsnorm, shapes, device),
     "rmsnorm_backward": lambda shapes, device: _norm_families(rmsnorm_backward, shapes, device),
@@ -236,6 +239,17 @@ def _swiglu_bwd_workload(w: dict, dt):
     return f"workload-{n}", dict(rows=rows, ff=ff), 3 * n, build
 
 
+def _geglu_workload(w: dict, dt):
+    rows = w["rows"] if "rows" in w else w.get("batch", 1) * w.get("seq", 1)
+    ff = w.get("ff", 176)
+
+    def build(gen, device):
+        return fi.Case(tuple(geglu.make_inputs(gen, device, rows=rows, ff=ff, dtype=dt)))
+
+    name = f"workload-{rows}" if "rows" in w else f"workload-{w.get('batch', 1)}x{w.get('seq', 1)}"
+    return name, dict(rows=rows, ff=ff), 2 * rows * ff, build
+
+
 def _qkv_workload(w: dict, dt):
     b, s = w.get("batch", 1), w.get("seq", 64)
     hidden, heads, hd = w.get("hidden", 64), w.get("heads", 4), w.get("head_dim", 16)
@@ -251,9 +265,9 @@ def _qkv_workload(w: dict, dt):
 
 WORKLOADS = {"attn_softcap": _softcap_workload, "qkv_proj": _qkv_workload, "rmsnorm": _norm_workload(rmsnorm),
              "rmsnorm_backward": _norm_workload(rmsnorm_backward), "add_rmsnorm": _norm_workload(add_rmsnorm),
-             "rope": _rope_workload, "swiglu_backward": _swiglu_bwd_workload}
+             "rope": _rope_workload, "swiglu_backward": _swiglu_bwd_workload, "geglu": _geglu_workload}
 FIRST_INPUT = {"add_rmsnorm": "hidden_states", "qkv_proj": "hidden_states", "attn_softcap": "scores", "rmsnorm": "x",
-               "rmsnorm_backward": "x", "rope": "q", "swiglu_backward": "gate"}
+               "rmsnorm_backward": "x", "rope": "q", "swiglu_backward": "gate", "geglu": "gate"}
 
 
 def _workload_families(slot: str, workloads: list, shapes: dict, device: str) -> tuple:

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm,
+from ...slots import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
                       rmsnorm_backward, rope, swiglu, swiglu_backward)
 from . import longrun
 
@@ -322,7 +322,7 @@ def softcap_families() -> list:
 
 
 def _swiglu(name, rows, ff, scale=1.0, dtype=torch.float32, mod=swiglu, **kw):
-    """swiglu / swiglu_backward (`mod`): `scale` multiplies the gate."""
+    """swiglu / swiglu_backward / geglu (`mod`): `scale` multiplies the gate."""
     def build(gen, device):
         return Case(mod.make_inputs(gen, device, rows=rows, ff=ff, scale=scale, dtype=dtype))
 
@@ -388,6 +388,7 @@ FAMILIES: dict = {  # slot -> its families, given the real text (which only two 
     "add_rmsnorm": lambda text: norm_families(add_rmsnorm),
     "swiglu": lambda text: swiglu_families(),
     "swiglu_backward": lambda text: swiglu_families(swiglu_backward),
+    "geglu": lambda text: swiglu_families(geglu),
     "cross_entropy": ce_families,
 }
 

@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...slots import (SLOTS, add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, qkv_proj, rmsnorm, rmsnorm_backward,
-                      rope, swiglu, swiglu_backward)
+from ...slots import (SLOTS, add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
+                      rmsnorm_backward, rope, swiglu, swiglu_backward)
 from .inputs import Case, Family, frequent_rows, zipf_ids
 
 GRID = tuple(10.0 ** e for e in range(-8, 5) if e != 0)  # 1e-8 .. 1e4; 1 is the contract's own families
@@ -68,7 +68,8 @@ SWEEPS: dict = {
     "rmsnorm_backward": Sweep(_plain(rmsnorm_backward, rows=256, hidden=64),
                               {"grad_output": 1e-3, "x": 1.0, "weight": 1.0, "eps": 1e-6}, dict(rows=256, hidden=64)),
     "add_rmsnorm": Sweep(_plain(add_rmsnorm, rows=256, hidden=64),
-                         {"hidden_states": 1.0, "residual": 1.0, "weight": 1.0, "eps": 1e-6}, dict(rows=256, hidden=64)),
+                         {"hidden_states": 1.0, "residual": 1.0, "weight": 1.0, "eps": 1e-6},
+                         dict(rows=256, hidden=64)),
     "qkv_proj": Sweep(_qkv_make, {"hidden_states": 1.0, "q_weight": 0.02, "k_weight": 0.02, "v_weight": 0.02},
                       dict(batch=2, seq=64, hidden=64, heads=4, head_dim=16)),
     "rope": Sweep(_plain(rope, batch=2, heads=2, seq=64, head_dim=16), {"q": 1.0, "k": 1.0, "inv_freq": 1.0},
@@ -78,6 +79,7 @@ SWEEPS: dict = {
     "swiglu": Sweep(_plain(swiglu, rows=256, ff=176), {"gate": 1.0, "up": 1.0}, dict(rows=256, ff=176)),
     "swiglu_backward": Sweep(_plain(swiglu_backward, rows=256, ff=176), {"grad_output": 1e-3, "gate": 1.0, "up": 1.0},
                              dict(rows=256, ff=176)),
+    "geglu": Sweep(_plain(geglu, rows=256, ff=176), {"gate": 1.0, "up": 1.0}, dict(rows=256, ff=176)),
     "cross_entropy": Sweep(_plain(cross_entropy, rows=256, vocab=512), {"logits": 3.0}, dict(rows=256, vocab=512)),
 }
 
