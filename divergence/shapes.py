@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from .errors import UserError
+from .names import SLOT_MODEL
 
 # Axis -> what it means. `batch` and `seq` are the variable axes of a token stream: a declared value bounds the
 # probe's largest workload and does not change the A/B model (its batch and sequence are the recipe's).
@@ -188,8 +189,8 @@ def model_overrides(model: dict, data: dict, shapes: dict, default) -> tuple:
         model["attn_softcap"] = shapes["softcap"]
     if shapes.get("dtypes"):
         model["slot_dtypes"] = {**(model.get("slot_dtypes") or {}), **shapes["dtypes"]}
-        if "geglu" in shapes["dtypes"]:  # a GeGLU problem: the model's MLP is Gemma's, where the slot is called
-            model["mlp"] = "geglu"
+        for slot in shapes["dtypes"]:  # a problem of a slot the model calls only under a setting (geglu): that
+            model.update(SLOT_MODEL.get(slot, {}))
     if "vocab" in shapes:
         v = shapes["vocab"]
         model["vocab_size"] = v

@@ -18,6 +18,7 @@ import numpy as np
 from .. import sandbox
 from ..device import pick_device
 from ..errors import UserError
+from ..names import SLOT_MODEL
 from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, default_recipe_name, load_recipe
 from ..train.metrics import write_json
@@ -163,8 +164,8 @@ def _asked(args) -> tuple:
     overrides = sets_to_overrides(getattr(args, "set", None))  # recorded in plan.json with the seed
     if args.seed is not None:
         overrides["seed"] = args.seed
-    if slot == "geglu":  # only Gemma's MLP calls it: every arm's model takes that MLP
-        overrides.setdefault("model", {})["mlp"] = "geglu"
+    if slot in SLOT_MODEL:  # only that model calls the slot (Gemma's MLP, geglu): every arm's model takes it
+        overrides["model"] = {**(overrides.get("model") or {}), **SLOT_MODEL[slot]}
     if shapes:
         # As an override, so that plan.json (and --resume) rebuild the same model; the recipe's own
         # `shapes:` fill the axes nothing else declares.

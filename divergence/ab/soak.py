@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import RecipeError, UserError
+from ..names import SLOT_MODEL
 from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, read_yaml_mapping
 from ..files import write_atomic
@@ -420,8 +421,8 @@ def _plan_cell(soak: dict, out: Path, opts, cand: dict, seed: int, label: str, b
     overrides = {**soak["overrides"], "seed": seed}
     if cand["shapes"]:  # as `ab` does: an override, which plan.json keeps; the recipe's `shapes:` fill the rest
         overrides["shapes"] = {**base_shapes, **cand["shapes"]}
-    if cand["kernel"] == "geglu":  # as `ab` does: only Gemma's MLP calls it
-        overrides["model"] = {**(overrides.get("model") or {}), "mlp": "geglu"}
+    if cand["kernel"] in SLOT_MODEL:  # as `ab` does: only that model calls the slot
+        overrides["model"] = {**(overrides.get("model") or {}), **SLOT_MODEL[cand["kernel"]]}
     recipe = load_recipe(soak["recipe"], overrides)
     cell_dir = out / label / f"seed-{seed}"
     cell_jobs = plan_arms(recipe, cand["kernel"], cand["candidate"], opts, cell_dir,

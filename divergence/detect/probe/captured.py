@@ -23,9 +23,11 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from ...names import SLOT_MODEL
 from ...slots import SLOTS
 from .inputs import Case, Family, frequent_rows
 
@@ -133,9 +135,10 @@ def code_version() -> str:
     return sources_hash(CODE)[:16]
 
 
-def capture_recipe(recipe, device: str):
+def capture_recipe(recipe, device: str, slot: Optional[str] = None):
     """The recipe the capture trains: `recipe` (a name, a Recipe or None for DEFAULT_RECIPE) on `device`, eager,
-    at most MAX_STEPS steps, no progress bar."""
+    at most MAX_STEPS steps, no progress bar; for a slot the model calls only under a setting (names.SLOT_MODEL:
+    geglu), with that setting, as an A/B of the slot trains."""
     from ...recipe import load_recipe
 
     if recipe is None or isinstance(recipe, str):
@@ -146,6 +149,8 @@ def capture_recipe(recipe, device: str):
     r.train.device, r.train.compile, r.train.progress = device, None, False
     # Evaluations and snapshots feed no slot input the capture keeps: two of each, not one every few steps.
     r.train.val_every, r.train.snapshot_every = r.train.steps, 0
+    for key, value in SLOT_MODEL.get(slot, {}).items():
+        setattr(r.model, key, value)
     return r
 
 
@@ -250,7 +255,7 @@ def captured_families(slot: str, device: str, recipe=None) -> tuple:
     """(the slot's captured families, notes). A capture that cannot be had (no text, a failed run) skips them with
     a note, as a missing corpus skips the corpus family: the other families still run. A recipe that does not
     load is the user's error (RecipeError, exit 2)."""
-    recipe = capture_recipe(recipe, device)
+    recipe = capture_recipe(recipe, device, slot)
     try:
         cap, notes = load_records(slot, recipe, device)
     except Exception as e:  # noqa: BLE001 -- reported, never fatal to the probe
