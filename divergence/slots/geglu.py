@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import Contract
+from .swiglu import make_inputs  # the same gate and up: [rows, F] each, the gate at `scale`
 
 
 def reference(gate, up):
@@ -23,13 +24,6 @@ def reference(gate, up):
 def oracle(gate, up):
     g = gate.double()
     return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * up.double()
-
-
-def make_inputs(gen, device="cpu", rows=256, ff=176, scale=1.0, dtype=torch.float32):
-    return (
-        (scale * torch.randn(rows, ff, generator=gen)).to(device, dtype),
-        torch.randn(rows, ff, generator=gen).to(device, dtype),
-    )
 
 
 CONTRACT = Contract(
