@@ -93,7 +93,7 @@ def test_a_failed_capture_skips_its_families_with_a_note(monkeypatch, tmp_path):
     def no_text(*a, **k):
         raise DataError("no text here")
 
-    monkeypatch.setattr(captured, "cache_folder", lambda recipe, device: tmp_path / "empty")
+    monkeypatch.setattr(captured, "cache_folder", lambda recipe, device, slots=None: tmp_path / "empty")
     monkeypatch.setattr(captured, "capture", no_text)
     fams, notes = families("swiglu", "cpu")
     assert not any(f.name.startswith("captured") for f in fams) and any(f.name.startswith("scale:") for f in fams)
@@ -149,3 +149,17 @@ def test_the_ab_preflight_captures_from_the_ab_recipe(tmp_path):
     folder = captured.cache_folder(captured.capture_recipe(recipe, "cpu"), "cpu")
     assert (folder / "rmsnorm.pt").is_file()
     assert folder != captured.cache_folder(captured.capture_recipe(None, "cpu"), "cpu")
+
+
+def test_the_capture_watches_the_route_changing_slots_in_a_run_of_their_own():
+    """Watched, add_rmsnorm and qkv_proj change the model's route (every residual add through add_rmsnorm, three
+    projections for one): the main capture run leaves them alone, so rmsnorm is captured at every norm that reads a
+    residual sum, 2 x n_layers + 1 calls a step, and add_rmsnorm at its 2 x n_layers in a run of its own."""
+    r = captured.capture_recipe(None, "cpu")
+    layers = r.model.n_layers
+    assert "add_rmsnorm" not in captured.capture_group(None) and "rmsnorm" in captured.capture_group(None)
+    assert captured.cache_folder(r, "cpu") != captured.cache_folder(r, "cpu", captured.capture_group("qkv_proj"))
+    norm, _ = captured.load_records("rmsnorm", r, "cpu")
+    assert {rec["calls"] for rec in norm["records"]} == {2 * layers + 1}
+    add, _ = captured.load_records("add_rmsnorm", r, "cpu")
+    assert {rec["calls"] for rec in add["records"]} == {2 * layers}

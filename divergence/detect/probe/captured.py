@@ -154,14 +154,27 @@ def capture_recipe(recipe, device: str, slot: Optional[str] = None):
     return r
 
 
-def cache_folder(recipe, device: str) -> Path:
+# Slots whose tap changes the model's route: watched, every residual add goes through add_rmsnorm (rmsnorm then
+# reads only the first block's input: 1 call a step instead of 2 x n_layers + 1), and qkv_proj's three projections
+# replace the one (q and k then no views of one projection, as RoPE gets them in training). Captured in a run of
+# their own, so that every other slot's inputs are the ones training hands it.
+ROUTED = ("add_rmsnorm", "qkv_proj")
+
+
+def capture_group(slot: Optional[str]) -> tuple:
+    """The slots captured in one run with `slot` (None: the main run's)."""
+    return ROUTED if slot in ROUTED else tuple(s for s in SLOTS if s not in ROUTED)
+
+
+def cache_folder(recipe, device: str, slots: Optional[tuple] = None) -> Path:
     from ...data.cache import cache_dir
 
+    slots = slots or capture_group(None)
     d = recipe.to_dict()
     d.pop("path", None)
     d.pop("ab", None)  # the A/B's settings change nothing a reference run computes, but for its optimizer:
     blob = json.dumps({"format": FORMAT, "recipe": d, "optimizer": _optimizer(recipe), "device": device,
-                       "code": code_version()}, sort_keys=True, default=str)
+                       "code": code_version(), "slots": list(slots)}, sort_keys=True, default=str)
     return cache_dir(recipe.data) / "captures" / f"{recipe.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -177,8 +190,10 @@ def _optimizer(recipe) -> str:
     return "adamw" if "adamw" in recipe.optimizers else recipe.ab.optimizers[0]
 
 
-def capture(recipe, device: str, folder: Path) -> dict:
-    """Train the capture run and write one file per slot into `folder` (cache_folder); returns {"seconds", "folder"}."""
+def capture(recipe, device: str, folder: Path, slots: Optional[tuple] = None) -> dict:
+    """Train the capture run watching `slots` (capture_group; default the main run's) and write one file per slot
+    into `folder` (cache_folder); returns {"seconds", "folder"}."""
+    slots = slots or capture_group(None)
     from ...train.arm import ArmSpec, run_arm
     from ...train.metrics import read_metrics
     from ...train.quiet import quiet_lightning
@@ -193,7 +208,7 @@ def capture(recipe, device: str, folder: Path) -> dict:
         made["w"] = Capture(*args)
         return made["w"]
 
-    spec = ArmSpec(name="capture", optimizer=_optimizer(recipe), lockstep={s: "reference" for s in SLOTS})
+    spec = ArmSpec(name="capture", optimizer=_optimizer(recipe), lockstep={s: "reference" for s in slots})
     try:
         with tempfile.TemporaryDirectory(prefix="divergence-capture-") as tmp:
             info = run_arm(recipe, spec, tmp, progress=False, watcher=watcher)
@@ -203,7 +218,7 @@ def capture(recipe, device: str, folder: Path) -> dict:
     seconds = time.perf_counter() - t0
     if info["status"] != "OK":
         raise RuntimeError(f"the capture run ended {info['status']}: {info.get('error', info.get('stop_where', ''))}")
-    for slot in SLOTS:
+    for slot in slots:
         _save(folder / f"{slot}.pt", {"format": FORMAT, "recipe": recipe.name, "device": device,
                                       "steps": recipe.train.steps, "optimizer": spec.optimizer,
                                       "seconds": seconds, "records": made["w"].records(slot, losses)})
@@ -211,13 +226,15 @@ def capture(recipe, device: str, folder: Path) -> dict:
 
 
 def load_records(slot: str, recipe, device: str) -> tuple:
-    """(the slot's capture, notes): from the cache, else from a capture run (which fills every slot's file).
+    """(the slot's capture, notes): from the cache, else from a capture run (which fills every file of the slot's
+    capture group).
     `recipe` is capture_recipe's."""
-    folder = cache_folder(recipe, device)  # hashes the sources once per load
+    group = capture_group(slot)
+    folder = cache_folder(recipe, device, group)  # hashes the sources once per load
     path = folder / f"{slot}.pt"
     notes = []
     if not path.is_file():
-        got = capture(recipe, device, folder)
+        got = capture(recipe, device, folder, group)
         notes.append(f"captured live inputs: trained recipe {recipe.name} for {recipe.train.steps} steps on "
                      f"{device} in {got['seconds']:.1f} s, cached in {got['folder']} for the next probe")
     return torch.load(path, weights_only=True), notes
