@@ -59,6 +59,20 @@ def test_each_problem_maps_onto_add_rmsnorm_with_its_width_dtypes_and_eps(tmp_pa
     assert workload_shapes(defn, "add_rmsnorm")[-1] == last
 
 
+def test_the_cross_check_tells_the_baked_eps_from_others(tmp_path):
+    """The cross-check spreads the rows of both summands (the same factor for each row) from a mean square of 1e-8
+    to 1, so a definition baking eps 1e-6 disagrees with the slot at 1e-2 or 1e-4: a wrong `--shape eps` cannot
+    pass for the baked one."""
+    from divergence.detect.probe.crosscheck import _agrees
+
+    far.write(tmp_path, "flashinfer", variants=("fp32",))
+    defn = load_definition(tmp_path / "fp32" / "definition.json")
+    declared = mapping(defn).declared
+    assert _agrees(defn, "add_rmsnorm", {**declared, "eps": 1e-6}, "cpu", 0)
+    assert not _agrees(defn, "add_rmsnorm", {**declared, "eps": 1e-2}, "cpu", 0)
+    assert not _agrees(defn, "add_rmsnorm", {**declared, "eps": 1e-4}, "cpu", 0)
+
+
 @pytest.fixture(scope="module")
 def sol(tmp_path_factory):
     return far.write(tmp_path_factory.mktemp("fused_add_rmsnorm_h2048"))

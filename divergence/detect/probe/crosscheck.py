@@ -42,18 +42,23 @@ def _reference_fn(defn: Definition):
     return fn
 
 
+NORMALISED = ("x", "hidden_states", "residual")  # the inputs an eps-taking slot normalises (their sum, for two)
+
+
 def inputs_at(contract, shapes: dict, gen, device):
     """(inputs, context) of the slot's generator at `shapes` (its axis names are make_inputs' keywords), in the
-    declared dtypes and with the declared constants; where the slot takes an eps, x's rows are spread from a mean
-    square of 1e-8 to 1, so that the eps shows."""
+    declared dtypes and with the declared constants; where the slot takes an eps, the rows of what it normalises
+    (x; hidden_states and residual, whose sum it normalises, by the same factor) are spread from a mean square of
+    1e-8 to 1, so that the eps shows."""
     params = inspect.signature(contract.make_inputs).parameters
     kw = {k: v for k, v in {**contract.shapes, **SMALL_VAR, **shapes}.items() if k in params}
     inputs = list(contract.make_inputs(gen, device, **kw))
-    if "eps" in contract.inputs and "x" in contract.inputs:
-        i = contract.inputs.index("x")
-        x = inputs[i]
-        r = torch.pow(10.0, torch.empty(*x.shape[:-1], 1).uniform_(-4, 0, generator=gen)).to(x.device)
-        inputs[i] = (x.float() * r).to(x.dtype)
+    rows = [contract.inputs.index(n) for n in NORMALISED if n in contract.inputs]
+    if "eps" in contract.inputs and rows:
+        lead = inputs[rows[0]].shape[:-1]
+        r = torch.pow(10.0, torch.empty(*lead, 1).uniform_(-4, 0, generator=gen)).to(inputs[rows[0]].device)
+        for i in rows:
+            inputs[i] = (inputs[i].float() * r).to(inputs[i].dtype)
     ctx = {key: kw[axis] for key, axis in contract.context_axes.items()}
     return declare_inputs(contract, inputs, shapes), ctx
 
