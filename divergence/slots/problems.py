@@ -223,8 +223,10 @@ RESIDUAL_RMSNORM_BWD = Problem(
 
 def _silu_backward_adapt(run, grad_output, gate, up):
     """The gate's gradient is SiLU's backward of grad_output * up: the kernel gets that product, the gate and its
-    sigmoid, flattened (the problem's tensors are 1-D), each rounded as the slot's reference rounds them. The up
-    gradient, grad_output * silu(gate), is no part of the problem: computed here as the reference does."""
+    sigmoid, flattened (the problem's tensors are 1-D), the product and the sigmoid rounded to the gate's dtype
+    (the problem's inputs are tensors of one dtype; L1/084's fp32, where the rounding is none: a bf16 problem would
+    add two roundings the slot's reference does not make). The up gradient, grad_output * silu(gate), is no part of
+    the problem: computed here as the reference does."""
     g = gate.reshape(-1)
     go = (grad_output.float() * up.float()).to(gate.dtype).reshape(-1)
     s = torch.sigmoid(g.float()).to(gate.dtype)
