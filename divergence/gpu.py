@@ -101,13 +101,6 @@ def record(folder) -> Optional[tuple]:
     return peak, max(1, procs)
 
 
-def read_record(folder, context: int = CONTEXT_BYTES) -> Optional[int]:
-    """What a folder's MEMORY_FILE says its work needs: the peak its processes' allocators reserved, plus
-    `context` per process (an arm's or probe worker's own, its kernel servers'); None where there is no record."""
-    rec = record(folder)
-    return None if rec is None else rec[0] + context * rec[1]
-
-
 def own_reserved(index: int) -> int:
     """What this process's own allocator holds on visible GPU `index` (0 where it has not started CUDA): the
     scheduler's process trains a probe's capture run and builds probe inputs there, and that memory is its own."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import gpu as G
-from ..gpu import CONTEXT_BYTES, MEMORY_FILE, read_record, record, watch_arm  # noqa: F401 (the arms' side)
+from ..gpu import CONTEXT_BYTES, MEMORY_FILE, record, watch_arm  # noqa: F401 (the arms' side)
 
 # Arms at once per GPU under `ab.workers: auto`: the `h200` recipe's measured best (6, not 4, took its default A/B
 # from 133 to 110-120 s on one H200, docs/performance.md); more at once were not measured faster, and each is a process

@@ -201,15 +201,22 @@ def _softcap_workload(w: dict, dt):
     return f"workload-{b}x{q}x{k}", dict(batch=b, heads=h, q_seq=q, k_seq=k), b * h * q * k, build
 
 
+def _rows(w: dict) -> tuple:
+    """(rows, family name) of a row-wise workload: its `rows`, or batch x seq where it gives those."""
+    if "rows" in w:
+        return w["rows"], f"workload-{w['rows']}"
+    b, q = w.get("batch", 1), w.get("seq", 1)
+    return b * q, f"workload-{b}x{q}"
+
+
 def _norm_workload(mod):
     def make(w: dict, dt):
-        rows = w["rows"] if "rows" in w else w.get("batch", 1) * w.get("seq", 1)
+        rows, name = _rows(w)
         hidden = w.get("hidden", 64)
 
         def build(gen, device):
             return fi.Case(tuple(mod.make_inputs(gen, device, rows=rows, hidden=hidden, dtype=dt)))
 
-        name = f"workload-{rows}" if "rows" in w else f"workload-{w.get('batch', 1)}x{w.get('seq', 1)}"
         return name, dict(rows=rows, hidden=hidden), rows * hidden, build
 
     return make
@@ -240,13 +247,12 @@ def _swiglu_bwd_workload(w: dict, dt):
 
 
 def _geglu_workload(w: dict, dt):
-    rows = w["rows"] if "rows" in w else w.get("batch", 1) * w.get("seq", 1)
+    rows, name = _rows(w)
     ff = w.get("ff", 176)
 
     def build(gen, device):
         return fi.Case(tuple(geglu.make_inputs(gen, device, rows=rows, ff=ff, dtype=dt)))
 
-    name = f"workload-{rows}" if "rows" in w else f"workload-{w.get('batch', 1)}x{w.get('seq', 1)}"
     return name, dict(rows=rows, ff=ff), 2 * rows * ff, build
 
 
