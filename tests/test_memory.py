@@ -317,7 +317,11 @@ def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     assert placer._bytes(placer.probe_peak) == 45 * GiB
     with G.tenant(sim, now):
         folder("probe-2", 9 * GiB)
+        placer._observed_at = 0.0
+        placer.tidy()  # the scheduler's tick: reads the GPU's probes (decide then uses what it read)
         assert placer.decide(two) == (memory.WAIT, None)
+    placer._observed_at = 0.0
+    placer.tidy()
     assert placer.decide(two) == (memory.GO, 0)
 
 

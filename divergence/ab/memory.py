@@ -102,6 +102,7 @@ class Placer:
         self._observed_at = 0.0
         self.probe_peak = (0, 0)  # the largest record of any probe seen on a GPU (gpu.tenant): (bytes, processes)
         self._probes_seen = set()  # their record folders: read again after they end, for their last growth
+        self.probes = [[] for _ in self.gpus]  # per GPU: the probes' record folders there, as observe() last read
 
     @classmethod
     def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
@@ -149,7 +150,7 @@ class Placer:
                 if kind(job) in self.measured:
                     self._learn(job)
         for i, live in enumerate(self.live):
-            probes = G.tenants(self.locks[i])
+            probes = self.probes[i] = G.tenants(self.locks[i])  # read here only: decide() runs 20 times a second
             self._probes_seen.update(probes)
             if probes:  # their memory would count as the arm's, and the use before them is not the use after
                 self.base[i] = None
@@ -196,7 +197,7 @@ class Placer:
         """What the probes on GPU `i` (any process's: gpu.tenant) may still take: the most a probe has needed, less
         what each holds now (a soak's and an A/B's probes run beside their arms)."""
         most = self._bytes(self.probe_peak)
-        return sum(max(0, most - self._bytes(record(f))) for f in G.tenants(self.locks[i]))
+        return sum(max(0, most - self._bytes(record(f))) for f in self.probes[i])
 
     # -------------------------------------------------------------------------------------------------- deciding
 
@@ -232,7 +233,7 @@ class Placer:
                 continue  # another process has it alone, or waits to
             if lock.state != "shared" or (live and lock.contended()):
                 continue
-            if not live and (need is None or not G.tenants(lock)):
+            if not live and (need is None or not self.probes[i]):
                 # Nothing of this run there: it goes, whatever others hold (were it to run out of memory, it
                 # trains again alone: waiting for room others may never give up could wait for ever). Beside a
                 # probe it waits for room where its need is known: the probe ends.
