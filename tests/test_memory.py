@@ -429,23 +429,29 @@ def test_a_probe_tenant_is_seen_across_processes_until_its_owner_dies(tmp_path):
 
 
 def test_a_kernel_servers_memory_figure_is_bounded_by_the_gpu():
-    """A server's reply sizes other arms: a figure past the GPU's memory is cut to it (none where this process has
-    no GPU), a negative or non-integer one ends the server as an unreadable reply."""
+    """A server's reply sizes other arms: a figure past the GPU's memory is cut to it (to nothing where this process
+    has no GPU), a negative or non-integer one ends the server as an unreadable reply."""
     from divergence.sandbox import client
 
-    total = client._gpu_total()
-    assert total == 0  # no CUDA in this process: a server's figure counts for nothing
     srv = object.__new__(client.KernelServer)
     srv.reserved, srv.on_gpu, srv.where, srv.closed = 0, False, "test", True
     srv.conn = None
-    orig = client.wire.recv_header
+    orig, total = client.wire.recv_header, client._gpu_total
     try:
         client.wire.recv_header = lambda conn: {"ok": True, "reserved": 10 ** 18}
+        client._gpu_total = lambda: 0  # no CUDA in this process: a server's figure counts for nothing
         srv._recv()
         assert srv.reserved == 0 and srv.on_gpu
+        client._gpu_total = lambda: TOTAL
+        srv._recv()
+        assert srv.reserved == TOTAL
+        client.wire.recv_header = lambda conn: {"ok": True, "reserved": 3 * GiB}
+        srv._recv()
+        assert srv.reserved == TOTAL  # a peak: never lowered
         for bad in (-1, 1.5, "9"):
             client.wire.recv_header = lambda conn, bad=bad: {"ok": True, "reserved": bad}
             with pytest.raises(client.CandidateError, match="reply could not be read"):
                 srv._recv()
     finally:
+        client._gpu_total = total
         client.wire.recv_header = orig
