@@ -382,6 +382,21 @@ def _server_for(path: str, slot: str, on_death: str):
     return RemoteFunction(server, SLOTS[slot], Path(path).stem, got)
 
 
+def test_a_request_refused_half_read_leaves_the_server_in_step(tmp_path, sandbox_on):
+    """A request the server cannot read to its end (here an input mapping it cannot open, as CUDA IPC of an
+    expandable segment) is refused in its reply, and the buffers after the bad one are read off: the next call
+    works, where the server used to read them as its next header and die on a UnicodeDecodeError."""
+    cand = write(tmp_path, "ok.py", "def run(x, weight, eps):\n    return x * weight\n")
+    fn = _server_for(cand, "rmsnorm", "raise")
+    bad = {"op": "call", "storages": [{"key": [1, 0, 8, "cpu"], "n": 8, "dev": "cpu", "via": "ipc", "ipc": {}},
+                                      {"key": [2, 0, 8, "cpu"], "n": 8, "dev": "cpu", "via": "buf"}]}
+    fn.server._send(bad, [b"\x00\x00\x00\x01" * 2])
+    h = fn.server._recv()
+    assert h["ok"] is False and h["stage"] == "request", h
+    x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(0))
+    assert torch.equal(fn(x, w, eps), x * w)
+
+
 @pytest.mark.parametrize("body,said,code", [
     ("import ctypes\n    ctypes.string_at(0)", "signal 11 (SIGSEGV)", -signal.SIGSEGV),
     ("import os\n    os._exit(7)", "exit code 7", 7),
@@ -487,3 +502,19 @@ def test_ab_of_a_good_zoo_member_passes_in_its_server(tmp_path, shared_arms, mon
     with capsys.disabled():
         print(f"\nab tiny, 12 steps, sgd, candidate arm: sandboxed {walls['on arm']:.1f} s, in-process "
               f"{walls['off arm']:.1f} s; whole command {walls['on']:.1f} s vs {walls['off']:.1f} s")
+
+
+def test_expandable_segments_are_kept_out_of_the_servers_allocator(tmp_path, monkeypatch):
+    """Outputs and inputs cross by CUDA IPC, which memory in an expandable segment does not take: the server's
+    allocator is given the user's settings less that one, and staging buffers here are plain segments."""
+    from divergence.sandbox import client
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    env = client.environment(tmp_path, tmp_path / "c")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert "PYTORCH_ALLOC_CONF" not in env
+    assert client.expandable_here()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert not client.expandable_here()

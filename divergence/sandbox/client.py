@@ -33,6 +33,7 @@ arm's watchdogs end as before; the reaper then ends the server and whatever it s
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import inspect
 import json
@@ -157,7 +158,44 @@ def environment(scratch: Path, cache: Path) -> dict:
     # CPU machine (2026-11-27, fused_embed_rmsnorm at 1,024 tokens x 64, zoo:embed_bf16_accum): 15.9 ms a call
     # through the server against 0.78 ms in-process; 1.84 ms with this. A user's own setting is kept.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for key in _ALLOC_CONF:  # its outputs cross by CUDA IPC, which an expandable segment's memory does not take
+        if key in env:
+            env[key] = without_expandable(env[key])
+            if not env[key]:
+                del env[key]
     return env
+
+
+_ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_EXPANDABLE = re.compile(r"\s*expandable_segments\s*:\s*\w+\s*", re.I)
+
+
+@contextlib.contextmanager
+def _plain_segments():
+    """Where this process asked for expandable segments, a staging buffer is allocated in a plain segment all the
+    same: the server maps it by CUDA IPC, and under expandable segments that mapping failed on one H100
+    (2026-11-27, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the server refused the request, and read its
+    remaining buffers as its next message until that was mended)."""
+    setting = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if not expandable_here() or setting is None:
+        yield
+        return
+    setting("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setting("expandable_segments:True")
+
+
+def without_expandable(conf: str) -> str:
+    """An allocator setting (`key:value,key:value`) less its expandable_segments."""
+    return ",".join(p for p in conf.split(",") if p.strip() and not _EXPANDABLE.fullmatch(p))
+
+
+def expandable_here() -> bool:
+    """Whether this process's CUDA allocator was asked for expandable segments (torch reads either variable)."""
+    return any(_EXPANDABLE.fullmatch(p) and p.split(":")[1].strip().lower() == "true"
+               for key in _ALLOC_CONF for p in os.environ.get(key, "").split(","))
 
 
 def cache_folder(key: str) -> Path:
@@ -389,10 +427,11 @@ class KernelServer:
             except Exception:  # noqa: BLE001 - older torch: the shared allocator, its segments may hold other data
                 self._pool = False
                 self.platform["staging"] = "shared allocator"
-        if self._pool is not False:
-            with torch.cuda.use_mem_pool(self._pool, device=device):
-                return torch.empty(n, dtype=torch.uint8, device=device)
-        return torch.empty(n, dtype=torch.uint8, device=device)
+        with _plain_segments():
+            if self._pool is not False:
+                with torch.cuda.use_mem_pool(self._pool, device=device):
+                    return torch.empty(n, dtype=torch.uint8, device=device)
+            return torch.empty(n, dtype=torch.uint8, device=device)
 
     def _pack_inputs(self, tensors) -> tuple:
         groups, storages, descs, bufs = [], [], [None] * len(tensors), []

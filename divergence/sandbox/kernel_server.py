@@ -663,6 +663,7 @@ class Server:
         self.tokens = {}  # id(storage) -> (weakref, token): an output buffer the candidate still holds
         self.next_token = 0
         self.cuda_copy = False
+        self.taken = 0
 
     def serve(self):
         hello = recv_header(self.conn)
@@ -690,12 +691,17 @@ class Server:
             except (EOFError, OSError):
                 os._exit(0)
             op = msg.get("op")
+            self.taken = 0  # the message's buffers read so far
             if op == "load":
                 self.load(msg)
             elif op == "call":
                 self.call(msg)
             else:
                 os._exit(0)
+            # A request refused half-read (an input this side could not map) leaves buffers behind it; read as
+            # the next header they would end the server on a UnicodeDecodeError.
+            for _ in range(max(0, _int(msg.get("nbuf", 0)) - self.taken)):
+                self.conn.recv_bytes()
 
     # -- loading
 
@@ -799,8 +805,12 @@ class Server:
     def cpu_tensor(self, d: dict):
         torch = self.torch
         t = torch.empty([_int(n) for n in d["shape"]], dtype=self.names[d["dtype"]])
-        recv_into(self.conn, u8(torch, t.untyped_storage(), 0, t.untyped_storage().nbytes()).numpy(), _int(d["n"]))
+        self.take(u8(torch, t.untyped_storage(), 0, t.untyped_storage().nbytes()).numpy(), _int(d["n"]))
         return t
+
+    def take(self, array, n: int) -> None:
+        self.taken += 1  # counted before the read: a read that failed consumed its buffer all the same
+        recv_into(self.conn, array, n)
 
     # -- calling
 
@@ -829,11 +839,11 @@ class Server:
                 self.held[key] = st
             view = u8(torch, st, 0, n)
             if dev.type == "cpu":
-                recv_into(self.conn, view.numpy(), n)
+                self.take(view.numpy(), n)
                 pristine = view.numpy().copy()
             else:  # a GPU tensor by copy, where CUDA IPC is not to be had
                 host = torch.empty(n, dtype=torch.uint8)
-                recv_into(self.conn, host.numpy(), n)
+                self.take(host.numpy(), n)
                 view.copy_(host)
                 pristine = host.numpy()
             out.append({"storage": st, "n": n, "pristine": pristine, "ipc": False})
