@@ -305,6 +305,11 @@ def _run_family(conn, slot, contract, impl, watch, fam, seed, device, destinatio
     what = globalstate.put_back(state)  # the next family must not run under the candidate's settings
     if what:
         got.append(checks._finding("global_state", None, what))
+    if device == "cuda" and not fatal:
+        # The families' shapes differ (9 token counts at a declared 4096 x 65,536): blocks cached for one family's
+        # sizes fit the next one's badly, and the probe's reserved memory, which arms beside it wait on
+        # (ab/memory.Placer), grew with each.
+        torch.cuda.empty_cache()
     conn.send(("done", got, time.perf_counter() - t, fatal))
     return fatal
 
