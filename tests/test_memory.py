@@ -50,16 +50,23 @@ def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
     here = out.parent / "on-gpu"
     here.mkdir(exist_ok=True)
     me = out.name
-    (here / me).write_text(str(w["peak"] + w.get("hidden", 0)))
+    write_json(out / "arm.json", {"arm": spec.name, "status": "RUNNING"})  # as run_arm, before anything runs
+    grow_s = w.get("grow_s")  # its record a quarter of its peak until then (a capture, an evaluation to come)
+    first = w["peak"] // 4 if grow_s else w["peak"]
+    (here / me).write_text(str(first + w.get("hidden", 0)))
     t0 = time.time()
     shared = bool(_others_on_gpu(here, me))
     over = held(out.parent) > TOTAL
-    write_json(out / memory.MEMORY_FILE, {"peak_reserved_bytes": w["peak"]})
+    write_json(out / memory.MEMORY_FILE, {"peak_reserved_bytes": first})
     row = False
     while time.time() - t0 < w["run_s"]:
         if not row and time.time() - t0 >= w.get("row_s", 0):
             (out / "metrics.jsonl").write_text('{"step": 0}\n')
             row = True
+        if grow_s and first < w["peak"] and time.time() - t0 >= grow_s:
+            first = w["peak"]
+            (here / me).write_text(str(first + w.get("hidden", 0)))
+            write_json(out / memory.MEMORY_FILE, {"peak_reserved_bytes": first})
         shared = shared or bool(_others_on_gpu(here, me))
         over = over or held(out.parent) > TOTAL
         time.sleep(0.02)
@@ -97,10 +104,10 @@ def at_once(tmp_path: Path) -> int:
     return max(sum(e["start"] <= x["start"] < e["end"] for e in ev) for x in ev)
 
 
-def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None, hidden=0, row_s=0.0):
+def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None, hidden=0, row_s=0.0, grow_s=None):
     monkeypatch.setattr(runner, "_child", fake_arm)
     (tmp_path / "world.json").write_text(json.dumps({"peak": peak, "run_s": run_s, "oom": oom or {}, "hidden": hidden,
-                                                     "row_s": row_s}))
+                                                     "row_s": row_s, "grow_s": grow_s}))
     return load_recipe("tiny")
 
 
@@ -283,6 +290,20 @@ def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gp
     assert probe_signal(res)["verdict"] == "INCONCLUSIVE"
 
 
+def test_a_kind_is_measured_by_an_arm_that_ended_not_by_one_still_growing(tmp_path, monkeypatch):
+    """An arm's record grows after its first metrics row (at 4096 x 65,536 an arm's reserved memory went on
+    growing past its first rows, one H100, 2026-11-27): the nulls sized by their first arm's early figure started
+    four at once and every one ran out of memory. A kind is measured once an arm of it has ended: here the first
+    null grows from 7.5 to 30 GiB after its first row, and the rest start two at a time, none out of memory."""
+    said = []
+    recipe = setup(tmp_path, monkeypatch, 30 * GiB, run_s=1.5, row_s=0.1, grow_s=0.8)
+    res = runner.run_jobs(recipe, arms(tmp_path, ["null-1", "null-2", "null-3", "null-4"]), None, "cpu", 6,
+                          placer=gpus(tmp_path, 6, said=said))
+    assert {st["status"] for st in res.values()} == {"OK"}
+    assert not [line for line in said if "trains again" in line], said
+    assert at_once(tmp_path) == 2
+
+
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     """A probe on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed before: 45 GiB
     learned from an earlier probe's record (its last growth read after it ended), 10 GiB held by the one running
@@ -302,7 +323,7 @@ def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
                            lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"), own=lambda i: 0)
     one, two = arms(tmp_path, ["null-1", "null-2"])
     folder("null-1", 20 * GiB)
-    (tmp_path / "null-1" / "metrics.jsonl").write_text('{"step": 0}\n')
+    write_json(tmp_path / "null-1" / "arm.json", {"status": "OK"})  # its kind measured
     placer.started(one, 0, None)
     placer.tidy()
     assert placer.decide(two) == (memory.GO, 0)  # no probe on the GPU

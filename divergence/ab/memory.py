@@ -6,8 +6,8 @@ What an arm needs is measured, not guessed: each CUDA arm writes the peak of the
 reserved (its own and its kernel servers') to MEMORY_FILE in its folder as it grows (watch_arm); to that, each of its
 processes adds what it holds outside its allocator (its CUDA context, cuBLAS workspaces, loaded kernels), which the
 Placer measures on the GPU while an arm runs alone there (observe). An arm's kind (its optimizer; reference, null or
-candidate) counts as measured once an arm of that kind has written its first metrics row (its first steps, an
-evaluation and a snapshot behind it) or ended, and its measure follows its arms' records as they grow. Until then
+candidate) counts as measured once an arm of that kind has ended (its whole run's peak: a record still grows after
+the first steps), and its measure follows its arms' records as they grow. Until then
 one arm of the kind runs at a time, sized by the largest need known (or by a record of an earlier run: ab/share.py
 hands the arms cache's records on as Job.memory_record); where nothing at all is known, an arm waits until none of
 this run's arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to
@@ -30,6 +30,7 @@ the machine's doing, judged against nobody.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -68,14 +69,13 @@ def kind(job) -> tuple:
 
 
 def _measured(job) -> bool:
-    """Whether an arm's record is its kind's measure: it wrote a metrics row, or ended."""
-    d = Path(job.out_dir)
+    """Whether an arm's record is its kind's measure: it ended (arm.json says so; the arm writes it RUNNING first).
+    Not its first metrics row: at 4096 x 65,536 (one H100, 2026-11-27) the record went on growing after it, and
+    four nulls sized by their first one's early figure started at once and all ran out of memory."""
     try:
-        if (d / "metrics.jsonl").stat().st_size > 0:
-            return True
-    except OSError:
-        pass
-    return (d / "arm.json").exists()
+        return json.loads((Path(job.out_dir) / "arm.json").read_text()).get("status") not in (None, "RUNNING")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 GO, SKIP, WAIT, GIVE_UP = "go", "skip", "wait", "give up"
