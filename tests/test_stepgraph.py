@@ -17,20 +17,15 @@ class _FakeGraph:
     def __init__(self, fn, inputs, outputs):
         self.fn, self.inputs, self.outputs, self.replays = fn, inputs, outputs, 0
 
-    def pool(self):
-        return ("pool of", id(self))
-
     def replay(self):
         self.replays += 1
         for dst, src in zip(self.outputs, self.fn(*self.inputs)):
             dst.copy_(src)
 
 
-def _fake_capture(fn, inputs, stream, pool=None):
+def _fake_capture(fn, inputs, stream):
     outputs = tuple(torch.empty_like(o) for o in fn(*inputs))  # shapes only: a real capture runs nothing
-    graph = _FakeGraph(fn, inputs, outputs)
-    graph.captured_in = pool
-    return graph, outputs
+    return _FakeGraph(fn, inputs, outputs), outputs
 
 
 def test_warm_up_then_one_capture_then_replays_of_new_inputs():
@@ -58,7 +53,7 @@ def test_a_failed_capture_runs_that_step_eagerly_once_and_gives_the_graph_up():
         runs.append(x.item())
         return (x + 1,)
 
-    def capture_that_fails(fn, inputs, stream, pool=None):
+    def capture_that_fails(fn, inputs, stream):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     g = StepGraph(warmup=2, capture=capture_that_fails)
@@ -192,40 +187,6 @@ def test_a_pure_function_is_captured_right_after_its_warm_up_and_replayed_from_t
     g(evaluation)
     g(evaluation)
     assert g.graph.replays == 2  # every later call a replay
-
-
-def test_an_evaluation_graph_is_captured_after_the_step_graph_in_its_pool():
-    step = StepGraph(warmup=3, capture=_fake_capture)
-    ev = StepGraph(warmup=1, pure=True, capture=_fake_capture, unit="evaluation", share=step)
-    runs = []
-
-    def evaluation():
-        runs.append(1)
-        return (torch.ones(2) * len(runs),)
-
-    assert ev(evaluation)[0].tolist() == [1.0, 1.0]  # before the step graph: eager, not counted as its warm-up
-    assert ev.graph is None and ev.calls == 0
-    for i in range(4):
-        step(lambda x: (x + 1,), torch.tensor(float(i)))
-    assert step.graph is not None
-    ev(evaluation)  # its warm-up, then its capture, in the step graph's pool
-    assert ev.graph is not None and ev.graph.captured_in == step.graph.pool()
-    assert ev.describe("eval_graph")["eval_graph"] == "captured at evaluation 0"
-    ev(evaluation)
-    assert ev.graph.replays == 1 and step.pool_of() is None
-
-
-def test_an_evaluation_graph_beside_a_step_graph_given_up_takes_a_pool_of_its_own():
-    def capture_that_fails(fn, inputs, stream, pool=None):
-        raise RuntimeError("no capture here")
-
-    step = StepGraph(warmup=1, capture=capture_that_fails)
-    ev = StepGraph(warmup=1, pure=True, capture=_fake_capture, unit="evaluation", share=step)
-    step(lambda x: (x,), torch.zeros(1))
-    step(lambda x: (x,), torch.zeros(1))
-    assert step.off is not None
-    ev(lambda: (torch.ones(1),))
-    assert ev.graph is not None and ev.graph.captured_in is None
 
 
 @pytest.mark.gpu

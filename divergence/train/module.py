@@ -26,9 +26,8 @@ class ArmModule(pl.LightningModule):
         self.automatic_optimization = False
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
         self.step_graph = step_graph
-        # Its evaluations likewise (same arms, same reasons), once the step is captured, in the step graph's pool.
-        self.eval_graph = (StepGraph(warmup=1, pure=True, unit="evaluation", share=step_graph)
-                           if step_graph is not None else None)
+        # Its evaluations likewise (same arms, same reasons): replayed from the second on (evaluation).
+        self.eval_graph = StepGraph(warmup=1, pure=True, unit="evaluation") if step_graph is not None else None
         self._eval_inputs = None
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
         # Under `train.step_graph` every arm's body is plain inductor, the candidate's too: inside a whole-step graph

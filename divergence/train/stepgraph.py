@@ -37,10 +37,8 @@ class StepGraph:
     in `off` and every later call runs `fn` eagerly: the step the capture was for is then run eagerly too, so no
     step is lost or done twice (while capturing, `fn`'s Python runs but none of its device work does)."""
 
-    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step",
-                 share: Optional["StepGraph"] = None):
+    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step"):
         self.warmup, self.pure, self.unit = warmup, pure, unit  # unit: what one call is, for describe()
-        self.share = share  # a graph whose memory pool this one's capture takes its memory from (pool_of)
         self.calls = 0
         self.graph = None
         self.static_inputs = None
@@ -52,8 +50,6 @@ class StepGraph:
         self._stream = None
 
     def __call__(self, fn: Callable, *inputs):
-        if self.share is not None and self.share.graph is None and self.share.off is None:
-            return fn(*inputs)  # not yet counted: warm-up and capture come once the other graph's pool exists
         call, self.calls = self.calls, self.calls + 1
         if self.off is not None:
             return fn(*inputs)
@@ -92,31 +88,15 @@ class StepGraph:
     def _try_capture(self, fn, inputs, call: int) -> bool:
         """Capture `fn` on copies of `inputs` (True), or give the graph up with the reason (False)."""
         t0 = time.perf_counter()
-        _release_cached()
         static = tuple(x.clone() for x in inputs)
         try:
-            graph, outputs = self._capture(fn, static, self._stream, self.pool_of())
+            graph, outputs = self._capture(fn, static, self._stream)
         except Exception as e:  # give the graph up; this call and the rest run eagerly
             self.off = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
             return False
         self.graph, self.static_inputs, self.static_outputs = graph, static, outputs
         self.captured_at, self.capture_s = call, time.perf_counter() - t0
         return True
-
-    def pool_of(self):
-        """The memory pool to capture into: `share`'s, where it was captured, else None (a pool of its own).
-
-        Why shared: an evaluation's graph in a pool of its own kept its own copy of a forward pass's activations
-        beside the step's; at 4096 x 65,536 the two pools and the weights reserved 33.4 GiB for an allocated peak
-        of 18.7 GiB (one H100, 2026-11-27, expandable segments on). Why safe, though the two graphs replay in no
-        fixed order: this graph is captured after `share` (the wait in __call__), so every tensor that outlives
-        a replay of `share` (the gradients its backward allocated, its outputs) is live and out of this capture's
-        reach; what this capture reuses is `share`'s temporaries, dead outside its replay. This graph's outputs,
-        which `share`'s replays may overwrite, are copied as soon as it replays (_fresh), and its inputs are
-        allocated outside any capture."""
-        if self.share is None or self.share.graph is None or not hasattr(self.share.graph, "pool"):
-            return None
-        return self.share.graph.pool()
 
     def describe(self, key: str = "step_graph") -> dict:
         """For arm.json `timings`, under `key`: whether and where it was captured, or why not."""
@@ -127,20 +107,11 @@ class StepGraph:
         return {key: f"captured at {self.unit} {self.captured_at}", f"{key}_capture_s": round(self.capture_s, 3)}
 
 
-def _release_cached():
-    """Hands the allocator's unused cached blocks back before a capture. The warm-up steps' activations stay cached
-    in the allocator's pool after they are freed, and the capture then allocates the same again in the graph's own
-    pool, which the replays keep: at 4096 x 65,536 an arm reserved 32.7-36.3 GiB for an allocated peak of 18.5 GiB
-    (one H100, 2026-11-27), so two arms fit an 80 GB card where three would. Nothing a graph holds is released."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def _side_stream():
     return torch.cuda.Stream() if torch.cuda.is_available() else None
 
 
-def _cuda_capture(fn, inputs, stream, pool=None):
+def _cuda_capture(fn, inputs, stream):
     graph = torch.cuda.CUDAGraph()
     stream = stream or torch.cuda.Stream()
     first_error = None
@@ -153,7 +124,7 @@ def _cuda_capture(fn, inputs, stream, pool=None):
             # Autocast's cache off while capturing (as torch.cuda.graph's notes ask): a weight's cast cached during
             # capture would live in the graph's memory, never computed, for any eager op after it in the same
             # autocast region. The same cast kernels run either way; only their reuse within the region is lost.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 try:
                     with _autocast_uncached():
                         outputs = fn(*inputs)
