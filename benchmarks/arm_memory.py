@@ -1,0 +1,122 @@
+"""`python benchmarks/arm_memory.py`: where one arm's GPU memory goes, step by step.
+
+Why: at 4096 x 65,536 (`h200-shapes`) a reference or null arm's allocator reserved 33.4-39.1 GiB for an allocated peak
+of 18.7 GiB (one H100, 2026-11-27), so two arms fit an 80 GB card where the allocated figure would fit four; handing
+the allocator's cache back before the step graph's capture and capturing the evaluation into the step graph's pool
+did not lower it (34.5 GiB). This finds the step where the reserved memory grows and by how much.
+
+Runs one harness arm in this process (the reference kernels, or `--arm null-1`) with a Lightning callback that reads
+the CUDA allocator after every step: allocated and reserved now, and the peaks of both within the step (the peak
+counters reset at each step's start). The step's work includes its evaluation and snapshot where it has one (the
+recorder runs them before the step's forward); the last evaluation and snapshot run after the last step ("end").
+Prints every step where a peak grew and the first steps, and writes the whole trace as JSON; `--snapshot FILE`
+also records the allocator's history and dumps it at the end (open it in https://pytorch.org/memory_viz).
+
+    python benchmarks/arm_memory.py [--recipe h200-shapes] [--shape hidden=4096,vocab=65536] [--optimizer adamw]
+                                     [--steps 60] [--arm reference|null-1] [--set KEY=VALUE] [--out trace.json]
+                                     [--snapshot snapshot.pickle]
+
+Needs a CUDA GPU (one line and exit 2 without).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+
+def _gib(n: int) -> float:
+    return round(n / GiB, 2)
+
+
+class MemoryTrace:
+    """A Lightning callback: the allocator's figures after every training step, and once more after fit."""
+
+    def __init__(self):
+        self.rows = []
+
+    def _row(self, step):
+        self.rows.append({"step": step, "allocated": _gib(torch.cuda.memory_allocated()),
+                          "reserved": _gib(torch.cuda.memory_reserved()),
+                          "peak_allocated": _gib(torch.cuda.max_memory_allocated()),
+                          "peak_reserved": _gib(torch.cuda.max_memory_reserved())})
+        torch.cuda.reset_peak_memory_stats()
+
+    def callback(self):
+        import lightning.pytorch as pl
+
+        trace = self
+
+        class _Cb(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                torch.cuda.synchronize()
+                trace._row(module.step_no - 1)
+
+        return _Cb()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="h200-shapes")
+    ap.add_argument("--shape", default="hidden=4096,vocab=65536", help="declared shapes, as `divergence ab --shape`")
+    ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--arm", default="reference", help="reference, or null-K")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets")
+    ap.add_argument("--out", default="arm-memory.json")
+    ap.add_argument("--snapshot", help="also record the allocator's history and dump it here")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("arm_memory: needs a CUDA GPU (this measures the CUDA allocator)", file=sys.stderr)
+        return 2
+
+    from divergence.overrides import sets_to_overrides
+    from divergence.recipe import load_recipe
+    from divergence.shapes import parse_shape_arg
+    from divergence.train.arm import ArmSpec, run_arm
+
+    over = sets_to_overrides(a.sets)
+    over.setdefault("train", {})["steps"] = a.steps
+    if a.shape:
+        over["shapes"] = parse_shape_arg(a.shape)
+    recipe = load_recipe(a.recipe, over)
+    kernels = {} if a.arm == "reference" else {slot: a.arm for slot in ("fused_embed_rmsnorm",)}
+    trace = MemoryTrace()
+    if a.snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        info = run_arm(recipe, ArmSpec(a.arm, a.optimizer, kernels), Path(tmp) / a.arm, progress=False,
+                       callbacks=[trace.callback()])
+        torch.cuda.synchronize()
+        trace._row("end")
+    if a.snapshot:
+        torch.cuda.memory._dump_snapshot(a.snapshot)
+    timings = {k: v for k, v in (info.get("timings") or {}).items() if "graph" in k}
+    result = {"recipe": recipe.name, "shapes": recipe.shapes, "optimizer": a.optimizer, "arm": a.arm,
+              "status": info.get("status"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "graphs": timings, "rows": trace.rows}
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    print(f"{a.arm} under {a.optimizer}, {recipe.name} at {a.shape} on {result['device']}: {info.get('status')}; "
+          f"{timings}")
+    print(f"{'step':>5} {'allocated':>10} {'reserved':>9} {'peak alloc':>11} {'peak resv':>10}  (GiB; peaks within "
+          "the step)")
+    top = (0.0, 0.0)
+    for i, r in enumerate(trace.rows):
+        grew = r["peak_allocated"] > top[0] or r["peak_reserved"] > top[1]
+        top = (max(top[0], r["peak_allocated"]), max(top[1], r["peak_reserved"]))
+        if grew or i < 6 or r["step"] == "end":
+            print(f"{r['step']:>5} {r['allocated']:>10} {r['reserved']:>9} {r['peak_allocated']:>11} "
+                  f"{r['peak_reserved']:>10}")
+    print(f"peak: {top[0]} GiB allocated, {top[1]} GiB reserved; trace in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
