@@ -332,10 +332,11 @@ def test_013_the_adapter_derives_normalized_and_rstd_as_the_forward_saved_them()
     assert torch.equal(seen["normalized"], x.float().reshape(1, 6, 8) * seen["rstd"])
 
 
-def test_013_the_probe_passes_another_fp32_order_and_fails_bf16_accumulation_and_a_stale_residual(sol013, tmp_path):
+def test_013_the_probe_passes_other_fp32_orders_and_fails_bf16_accumulation_and_a_stale_residual(sol013, tmp_path):
     fams = ["contract", "largest", "workload-2x512"]
-    rc, res = probe(tmp_path, sol013["blocked-fp32"], fams)
-    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    for right in ("blocked-fp32", "atomics-order-fp32"):
+        rc, res = probe(tmp_path, sol013[right], fams)
+        assert rc == 0 and res["verdict"] == "PASS", (right, res["findings"])
     rc, res = probe(tmp_path, sol013["bf16-weight-grad"], fams)
     assert rc == 1 and failed(res) == set(fams)
     assert {f["output"] for f in res["findings"]} == {"grad_weight"}

@@ -48,6 +48,10 @@ class Contract:
     # Inputs that are the model's parameters, written in place by every optimizer step (qkv_proj's weights): the
     # probe calls again after writing new values into them, as training does between steps.
     weights: tuple = ()
+    # (inputs, **context) -> the outputs as a kernel summing the slot's long reductions one row at a time would
+    # give them (None for an output that is no such sum): the probe's envelope for an output is the larger of the
+    # reference's error and this one's (slots/reduce.py: why). None: the reference's error alone.
+    orders: Optional[Callable] = None
 
 
 def as_tuple(out) -> tuple:

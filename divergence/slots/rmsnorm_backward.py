@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .contract import Contract
+from .reduce import sequential_sum
 
 
 def _bwd(grad_output, x, weight, eps, dtype):
@@ -26,6 +27,13 @@ def _bwd(grad_output, x, weight, eps, dtype):
 def reference(grad_output, x, weight, eps):
     gx, gw = _bwd(grad_output, x, weight, eps, torch.float32)
     return gx.to(grad_output.dtype), gw.to(weight.dtype)
+
+
+def sequential(grad_output, x, weight, eps):
+    """(None, grad_weight summed over the rows one at a time in fp32): the weight gradient's other order."""
+    go, xf = grad_output.to(torch.float32), x.to(torch.float32)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return None, sequential_sum((go * xf * r).reshape(-1, xf.shape[-1])).to(weight.dtype)
 
 
 def oracle(grad_output, x, weight, eps):
@@ -50,4 +58,5 @@ CONTRACT = Contract(
     doc=__doc__,
     output_specs=lambda inputs: [(tuple(inputs[1].shape), inputs[0].dtype), (tuple(inputs[2].shape), inputs[2].dtype)],
     kind="backward",
+    orders=sequential,
 )
