@@ -291,10 +291,10 @@ def test_probe_that_cannot_have_the_gpu_alone_is_inconclusive(tmp_path, probe_gp
 
 
 def test_a_kind_is_measured_by_an_arm_that_ended_not_by_one_still_growing(tmp_path, monkeypatch):
-    """An arm's record grows after its first metrics row (at 4096 x 65,536 an arm's reserved memory went on
-    growing past its first rows, one H100, 2026-11-27): the nulls sized by their first arm's early figure started
-    four at once and every one ran out of memory. A kind is measured once an arm of it has ended: here the first
-    null grows from 7.5 to 30 GiB after its first row, and the rest start two at a time, none out of memory."""
+    """An arm writes arm.json (RUNNING) when it starts, and its record may grow after its first metrics row: at
+    4096 x 65,536 (one H100, 2026-11-27) nulls sized by their first one's figure read at its start started four at
+    once and every one ran out of memory. A kind is measured once an arm of it has ended: here the first null grows
+    from 7.5 to 30 GiB after its first row, and the rest start two at a time, none out of memory."""
     said = []
     recipe = setup(tmp_path, monkeypatch, 30 * GiB, run_s=1.5, row_s=0.1, grow_s=0.8)
     res = runner.run_jobs(recipe, arms(tmp_path, ["null-1", "null-2", "null-3", "null-4"]), None, "cpu", 6,

@@ -6,8 +6,8 @@ What an arm needs is measured, not guessed: each CUDA arm writes the peak of the
 reserved (its own and its kernel servers') to MEMORY_FILE in its folder as it grows (watch_arm); to that, each of its
 processes adds what it holds outside its allocator (its CUDA context, cuBLAS workspaces, loaded kernels), which the
 Placer measures on the GPU while an arm runs alone there (observe). An arm's kind (its optimizer; reference, null or
-candidate) counts as measured once an arm of that kind has ended (its whole run's peak: a record still grows after
-the first steps), and its measure follows its arms' records as they grow. Until then
+candidate) counts as measured once an arm of that kind has ended (its whole run's peak: a record read earlier may
+yet grow), and its measure follows its arms' records as they grow. Until then
 one arm of the kind runs at a time, sized by the largest need known (or by a record of an earlier run: ab/share.py
 hands the arms cache's records on as Job.memory_record); where nothing at all is known, an arm waits until none of
 this run's arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to
@@ -69,9 +69,10 @@ def kind(job) -> tuple:
 
 
 def _measured(job) -> bool:
-    """Whether an arm's record is its kind's measure: it ended (arm.json says so; the arm writes it RUNNING first).
-    Not its first metrics row: at 4096 x 65,536 (one H100, 2026-11-27) the record went on growing after it, and
-    four nulls sized by their first one's early figure started at once and all ran out of memory."""
+    """Whether an arm's record is its kind's measure: it ended (arm.json says so; the arm writes it RUNNING first,
+    which was once taken for its end). At 4096 x 65,536 (one H100, 2026-11-27) four nulls sized by their first
+    one's figure read at its start all ran out of memory; a record read before the end may yet grow (a capture, an
+    evaluation, the last snapshot), so none is trusted before it."""
     try:
         return json.loads((Path(job.out_dir) / "arm.json").read_text()).get("status") not in (None, "RUNNING")
     except (OSError, ValueError, AttributeError):
