@@ -425,7 +425,7 @@ def _adapted(defn: Definition, problem) -> tuple:
     """(problem in words or None, declared shapes and dtypes, bound axes) of `defn` onto a problem family."""
     why, declared, bound = _map(defn, problem.contract)
     if why is None:
-        dtypes = {n: defn.inputs[p].dtype for n, p in problem.dtypes.items()}
+        dtypes = {n: (defn.inputs.get(p) or defn.outputs[p]).dtype for n, p in problem.dtypes.items()}
         declared = {**declared, "dtypes": {problem.slot: dtypes}}
     return why, declared, bound
 

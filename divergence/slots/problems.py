@@ -11,6 +11,8 @@ reference, which the cross-check runs through the same adapter before anything i
     softcap_softmax      L1/046                                 attn_softcap      the causal mask re-applied
     rmsnorm_rows         FlashInfer-Bench rmsnorm_h{128..7168}  rmsnorm           x as [rows, H]
     rope_cos_sin         L1/088                                 rope              cos/sin [S, D] from the positions
+    rope_tables          L1/011                                 rope              the candidate's tables rotate q, k
+    rope_tables_freqs    L1/012                                 rope              as rope_tables, from the angles
     residual_rmsnorm_bwd L1/013                                 rmsnorm_backward  normalized, rstd from x and eps
     silu_backward        L1/084                                 swiglu_backward   SiLU's backward of grad_out * up
     fused_add_rmsnorm    FlashInfer-Bench fused_add_rmsnorm_h*  add_rmsnorm       rows as [rows, H]; eps baked
@@ -20,8 +22,8 @@ reference, which the cross-check runs through the same adapter before anything i
 What a problem bakes in (a softcap, an eps) is no input of its `run`: the slot's input of that name is set to the
 declared value wherever the slot is called under such a problem (`baked`: slot input -> declared constant; the
 value is read from the definition by the cross-check). Where the problem fixes its dtypes, the slot is called in
-them (`dtypes`: slot input -> the problem input whose dtype it takes): in the A/B model every arm casts to them
-around the slot (registry.Kernels), and the probe's families are drawn in them.
+them (`dtypes`: slot input -> the problem input, or output, whose dtype it takes): in the A/B model every arm
+casts to them around the slot (registry.Kernels), and the probe's families are drawn in them.
 """
 from __future__ import annotations
 
@@ -163,6 +165,86 @@ ROPE_COS_SIN = Problem(
     problems="L1/088 rotary_position_embedding_application",
     model="q and k of every attention layer, strided views of the qkv projection as training has them; head size "
           "set by the definition",
+)
+
+
+# ------------------------------------------------------------------------ rope_tables (L1/011), (L1/012)
+# The problems build the tables and the slot rotates with them: the candidate's tables (bf16 by the problems'
+# contract) are cast to fp32 and applied with the slot's reference arithmetic, so the rotation itself is never the
+# candidate's. The tables' dtype is the one q and k are declared in: Hugging Face's rotary embedding returns cos and
+# sin in the activations' dtype, so bf16 tables are a bf16 model's. In fp32 q and k the tables' bf16 rounding
+# would be 5,500x the slot reference's error (1.1e-3 vs 2.0e-7 at 2 x 64 x 128); in bf16 it is one rounding more,
+# 1.2x (docs/sol-problems.md: every probe family). attention_scaling (llama3's attention factor) is passed 1.0: the slot has
+# no scaling input, and the model's RoPE scales nothing.
+
+
+def _rotated_by(q, k, cos, sin, positions):
+    """q and k rotated by the candidate's tables, each (B or 1, S, hd) as `positions` (B or 1, S) asks: cast to
+    fp32 as the slot's reference builds them, then the reference's rotation."""
+    want = (*positions.shape, q.shape[-1])
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want:
+            raise CandidateError(f"rope: the candidate's {name} table has shape {tuple(t.shape)}, the positions ask "
+                                 f"for {want}")
+    return rope_slot.reference_from_tables(q, k, cos.float()[:, None], sin.float()[:, None])
+
+
+def _rope_tables_adapt(run, q, k, position_ids, inv_freq):
+    """The slot's positions (one row where the batch shares it, as the model's tables are built) and inv_freq;
+    cos_sin [B, S, 2, D] split along its literal axis."""
+    pos = rope_slot.shared_positions(position_ids)
+    cs = _one(run(pos, inv_freq, 1.0))
+    if cs.dim() != 4 or cs.shape[2] != 2:
+        raise CandidateError(f"rope: the candidate's cos_sin has shape {tuple(cs.shape)}, not [batch, seq, 2, "
+                             "head_dim]")
+    return _rotated_by(q, k, cs[:, :, 0], cs[:, :, 1], pos)
+
+
+def _rope_freqs_adapt(run, q, k, position_ids, inv_freq):
+    """freqs = position_ids[..., None] * inv_freq in fp32, the outer product the slot's reference builds its
+    tables from (rope.freqs)."""
+    f = rope_slot.freqs(position_ids, inv_freq, torch.float32)
+    outs = as_tuple(run(f, 1.0))
+    if len(outs) != 2:
+        raise CandidateError(f"rope: the candidate returned {len(outs)} output(s), the problem's are cos and sin")
+    return _rotated_by(q, k, *outs, f[..., 0])
+
+
+_TABLE_OUT = ("bfloat16", ("batch", "seq", "head_dim"))
+_SCALING = ("float32", ())
+_TABLES_MODEL = ("q and k of every attention layer in bf16 (the tables' dtype), rotated by the candidate's tables; "
+                 "head size set by the definition, attention_scaling 1.0")
+
+ROPE_TABLES = Problem(
+    name="rope_tables",
+    slot="rope",
+    contract=_signature(
+        "rope", ("position_ids", "inv_freq", "attention_scaling"), ("cos_sin",),
+        {"position_ids": ("int64", ("batch", "seq")), "inv_freq": ("float32", ("half_head_dim",)),
+         "attention_scaling": _SCALING, "cos_sin": ("bfloat16", ("batch", "seq", 2, "head_dim"))},
+        lambda inputs: [((*inputs[0].shape, 2, 2 * inputs[1].shape[0]), torch.bfloat16)],
+        "run(position_ids[B, S], inv_freq[D/2], attention_scaling) -> cos_sin[B, S, 2, D]: cos and sin of "
+        "cat(freqs, freqs), freqs = position_ids[..., None] * inv_freq, times attention_scaling"),
+    adapt=_rope_tables_adapt,
+    dtypes={"q": "cos_sin", "k": "cos_sin", "inv_freq": "inv_freq"},
+    problems="L1/011 rotary_position_embedding",
+    model=_TABLES_MODEL,
+)
+
+ROPE_TABLES_FREQS = Problem(
+    name="rope_tables_freqs",
+    slot="rope",
+    contract=_signature(
+        "rope", ("freqs", "attention_scaling"), ("cos", "sin"),
+        {"freqs": ("float32", ("batch", "seq", "half_head_dim")), "attention_scaling": _SCALING,
+         "cos": _TABLE_OUT, "sin": _TABLE_OUT},
+        lambda inputs: [((*inputs[0].shape[:-1], 2 * inputs[0].shape[-1]), torch.bfloat16)] * 2,
+        "run(freqs[B, S, D/2], attention_scaling) -> cos[B, S, D], sin[B, S, D] of cat(freqs, freqs), times "
+        "attention_scaling"),
+    adapt=_rope_freqs_adapt,
+    dtypes={"q": "cos", "k": "cos", "inv_freq": "freqs"},
+    problems="L1/012 (cos and sin from freqs)",
+    model=_TABLES_MODEL,
 )
 
 
@@ -337,8 +419,9 @@ GEGLU_HALVES = Problem(
 )
 
 
-PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, RESIDUAL_RMSNORM_BWD, SILU_BACKWARD,
-                                      FUSED_ADD_RMSNORM, POST_NORM_RESIDUAL, GEGLU_HALVES)}
+PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, ROPE_TABLES, ROPE_TABLES_FREQS,
+                                      RESIDUAL_RMSNORM_BWD, SILU_BACKWARD, FUSED_ADD_RMSNORM, POST_NORM_RESIDUAL,
+                                      GEGLU_HALVES)}
 
 
 def for_slot(slot: str) -> list:

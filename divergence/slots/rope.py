@@ -22,12 +22,23 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def shared_positions(position_ids):
+    """position_ids, or its first row where one row is expanded over the batch (the model's arange): the same
+    values."""
+    if position_ids.dim() == 2 and position_ids.stride(0) == 0:
+        return position_ids[:1]
+    return position_ids
+
+
+def freqs(position_ids, inv_freq, dtype=torch.float32):
+    """(B or 1, S, hd/2) in `dtype`: each position's angles, the outer product every table is built from."""
+    return shared_positions(position_ids).to(dtype)[..., None] * inv_freq.to(dtype)
+
+
 def tables(position_ids, inv_freq, dtype=torch.float32) -> tuple:
     """(cos, sin), each (B or 1, 1, S, hd) in `dtype`: what every rotation of one step shares."""
-    if position_ids.dim() == 2 and position_ids.stride(0) == 0:
-        position_ids = position_ids[:1]  # one row expanded over the batch (the model's arange): the same values
-    freqs = position_ids.to(dtype)[..., None] * inv_freq.to(dtype)  # (B or 1, S, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B or 1, 1, S, hd)
+    f = freqs(position_ids, inv_freq, dtype)
+    emb = torch.cat((f, f), dim=-1)[:, None]  # (B or 1, 1, S, hd)
     return emb.cos(), emb.sin()
 
 
