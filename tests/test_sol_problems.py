@@ -31,6 +31,8 @@ import flashinfer_rmsnorm  # noqa: E402
 import l1_013  # noqa: E402
 import l1_046  # noqa: E402
 import l1_055  # noqa: E402
+import l1_011  # noqa: E402
+import l1_012  # noqa: E402
 import l1_084  # noqa: E402
 import l1_088  # noqa: E402
 
@@ -51,6 +53,8 @@ def failed(res) -> set:
     (l1_046, "l1_046", {}),
     (flashinfer_rmsnorm, "rmsnorm_h4096", {"hidden": 4096}),
     (l1_088, "l1_088", {}),
+    (l1_011, "l1_011", {}),
+    (l1_012, "l1_012", {}),
     (l1_013, "l1_013", {}),
     (l1_084, "l1_084", {}),
     (l1_055, "l1_055", {}),
