@@ -3,7 +3,8 @@
 - `fused_embed_rmsnorm` is a backward kernel: the forward (gather + RMSNorm) is fixed, and the slot computes the
   embedding and norm-weight gradients, which become the parameters' `.grad`.
 - `rmsnorm` forward and `rmsnorm_backward` are a pair of slots joined in one autograd.Function; so are `swiglu` and
-  `swiglu_backward` where the backward is not the plain reference (else `swiglu` is a forward slot as below).
+  `swiglu_backward`, and `rope` and `rope_backward`, where the backward is not the plain reference (else the
+  forward is a forward slot as below).
 - Forward slots (`add_rmsnorm`, `qkv_proj`, `rope`, `attn_softcap`, `swiglu`, `cross_entropy`): the
   implementation's output flows forward; a non-reference implementation gets its gradients from the reference's
   vector-Jacobian product at the same inputs, so a wrong forward shows up as wrong activations, not as a second,
@@ -99,6 +100,36 @@ def call_swiglu(kernels, gate, up):
 @torch.compiler.disable
 def observed_swiglu(gate, up, kernels):
     return SwiGLU.apply(gate, up, kernels) if torch.is_grad_enabled() else kernels("swiglu", gate, up)
+
+
+class RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, position_ids, inv_freq, kernels):
+        ctx.save_for_backward(q, k, position_ids, inv_freq)
+        ctx.kernels = kernels
+        return kernels("rope", q, k, position_ids, inv_freq)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        q, k, position_ids, inv_freq = ctx.saved_tensors
+        gq_out, gk_out = (torch.zeros_like(x) if g is None else g.contiguous() for g, x in ((grad_q, q), (grad_k, k)))
+        gq, gk = ctx.kernels("rope_backward", gq_out, gk_out, q, k, position_ids, inv_freq)
+        return gq.to(q.dtype), gk.to(k.dtype), None, None, None
+
+
+def call_rope(kernels, q, k, position_ids, inv_freq):
+    """Attention's rotation: the `rope` slot with the reference's VJP (call_forward_slot) while `rope_backward` is
+    the plain reference, else the pair in one autograd.Function."""
+    if kernels.is_plain("rope_backward"):
+        return call_forward_slot(kernels, "rope", q, k, position_ids, inv_freq)
+    return declared(kernels, "rope", (q, k, position_ids, inv_freq), lambda *a: observed_rope(kernels, *a))
+
+
+@torch.compiler.disable
+def observed_rope(kernels, q, k, position_ids, inv_freq):
+    if torch.is_grad_enabled():
+        return RoPE.apply(q, k, position_ids, inv_freq, kernels)
+    return kernels("rope", q, k, position_ids, inv_freq)
 
 
 class ForwardSlot(torch.autograd.Function):

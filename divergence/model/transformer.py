@@ -4,7 +4,8 @@
     block: x + attn([rmsnorm](x)), then x + mlp([rmsnorm](x))
            (each residual add with the norm after it: [add_rmsnorm](sublayer out, x), the sum beside it)
     attn:  [qkv_proj] -> [rope] -> q k^T / sqrt(hd) -> causal mask -> [attn_softcap] (or SDPA without a cap) -> @ v
-           -> proj    (grouped-query: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads query heads)
+           -> proj    (grouped-query: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads query heads;
+                       rope's backward: [rope_backward])
     mlp:   [swiglu](x W_gate, x W_up) W_down            (its backward: [swiglu_backward])
            or, under `model.mlp: geglu` (Gemma's), [geglu](x W_gate, x W_up) W_down
 The embedding's only consumer is the initial RMSNorm (SOL-ExecBench L1/087's pattern), so the embedding gradient
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ..slots import rope
 from ..slots.registry import Kernels
-from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, call_swiglu, declared, observed_rmsnorm
+from .ops import CompiledEmbed, EmbedRMSNorm, call_forward_slot, call_rope, call_swiglu, declared, observed_rmsnorm
 from .rope_scaling import model_inv_freq
 
 PARAM_GROUPS = ("embedding", "norms", "attention", "mlp", "head")
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         if rope_tables is not None:  # the plain reference, on tables every layer shares (Transformer._rope_tables)
             q, k = rope.reference_from_tables(q, k, *rope_tables)
         else:
-            q, k = call_forward_slot(self.kernels, "rope", q, k, position_ids, inv_freq)
+            q, k = call_rope(self.kernels, q, k, position_ids, inv_freq)
         if self.n_kv != self.n_heads:  # each key/value head serves n_heads / n_kv query heads
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
         if self.softcap is None:
@@ -189,12 +190,12 @@ class Transformer(nn.Module):
 
     def _rope_tables(self, position_ids):
         """The plain reference RoPE's cos/sin tables, built once (position_ids are always arange(S) here) and given
-        to the body as inputs, shared by every layer; None where the slot is not the plain reference. Built inside
-        each slot call, under `train.compile` inductor fused them into each layer's rotation and evaluated cos and
+        to the body as inputs, shared by every layer; None where `rope` or `rope_backward` is not the plain
+        reference. Built inside each slot call, under `train.compile` inductor fused them into each layer's rotation and evaluated cos and
         sin once per element of q and k, forward and backward (12 kernels of 27 us a step, 0.33 ms of the h200
         recipe's 7.7; built inside the body once per step, still: one H200, 2026-11-26, `make bench --profile`).
         The same arithmetic as the slot's reference (slots/rope.py)."""
-        if not self.kernels.is_plain("rope"):
+        if not (self.kernels.is_plain("rope") and self.kernels.is_plain("rope_backward")):
             return None
         key = (position_ids.shape[-1], position_ids.device)
         # Kept, never replaced: a step or evaluation graph reads these tensors by address.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
-               rmsnorm_backward, rope, swiglu, swiglu_backward)
+               rmsnorm_backward, rope, rope_backward, swiglu, swiglu_backward)
 
 
 def _embed_permuted(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, *, vocab_size):
@@ -81,6 +81,13 @@ def _rope_complex(q, k, position_ids, inv_freq):
         return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
 
     return apply(q), apply(k)
+
+
+def _rope_bwd_complex(grad_q_out, grad_k_out, q, k, position_ids, inv_freq):
+    """rotate_half's backward is the rotation by -theta: a complex product by exp(-i theta) (inv_freq negated,
+    exactly), another rounding of the same map."""
+    gq, gk = _rope_complex(grad_q_out, grad_k_out, position_ids, -inv_freq)
+    return gq.to(q.dtype), gk.to(k.dtype)
 
 
 def _softcap_logsoftmax(scores, cap):
@@ -151,6 +158,10 @@ NULLS: dict = {
     "rope": [
         (_rope_complex, "rotation as a complex product"),
         (_oracle_down(rope.oracle, lambda i: [i[0].dtype, i[1].dtype]), "float64 cast down"),
+    ],
+    "rope_backward": [
+        (_rope_bwd_complex, "the rotation by -theta as a complex product"),
+        (_oracle_down(rope_backward.oracle, lambda i: [i[2].dtype, i[3].dtype]), "float64 cast down"),
     ],
     "attn_softcap": [
         (_softcap_logsoftmax, "exp(log_softmax) instead of softmax"),
@@ -277,6 +288,16 @@ def _rope_family(k):
     return fn, f"rotation by (p - {k}) positions, then by {k}"
 
 
+def _rope_bwd_family(k):
+    rotate, _ = _rope_family(k)
+
+    def fn(grad_q_out, grad_k_out, q, k_, position_ids, inv_freq):
+        gq, gk = rotate(grad_q_out, grad_k_out, position_ids, -inv_freq)  # the transpose: the rotation by -theta
+        return gq.to(q.dtype), gk.to(k_.dtype)
+
+    return fn, f"rotation by -(p - {k}) positions, then by -{k}"
+
+
 def _softcap_family(k):
     perm = _Orders(k)
 
@@ -341,7 +362,7 @@ def _ce_family(k):
 FAMILY: dict = {
     "fused_embed_rmsnorm": _embed_family, "rmsnorm": _rmsnorm_family, "rmsnorm_backward": _rmsnorm_bwd_family,
     "add_rmsnorm": _add_rmsnorm_family, "qkv_proj": _qkv_family,
-    "rope": _rope_family, "attn_softcap": _softcap_family, "swiglu": _swiglu_family,
+    "rope": _rope_family, "rope_backward": _rope_bwd_family, "attn_softcap": _softcap_family, "swiglu": _swiglu_family,
     "swiglu_backward": _swiglu_bwd_family, "geglu": _geglu_family, "cross_entropy": _ce_family,
 }
 

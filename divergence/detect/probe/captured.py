@@ -47,6 +47,7 @@ BATCHED = {
     "add_rmsnorm": ("hidden_states", "residual"),
     "qkv_proj": ("hidden_states",),
     "rope": ("q", "k", "position_ids"),
+    "rope_backward": ("grad_q_out", "grad_k_out", "q", "k", "position_ids"),
     "attn_softcap": ("scores",),
     "swiglu": ("gate", "up"),
     "swiglu_backward": ("grad_output", "gate", "up"),

@@ -1,7 +1,7 @@
-"""The input families of rmsnorm, rmsnorm_backward, add_rmsnorm, qkv_proj, rope, attn_softcap, swiglu_backward and
-geglu at declared shapes: a problem's axes, the dtypes it calls the slot in and the constants it bakes in
-(slots/problems.py), with the variable axes from one row up to the device's size, and the definition's own
-workloads.
+"""The input families of rmsnorm, rmsnorm_backward, add_rmsnorm, qkv_proj, rope, rope_backward, attn_softcap,
+swiglu_backward and geglu at declared shapes: a problem's axes, the dtypes it calls the slot in and the constants
+it bakes in (slots/problems.py), with the variable axes from one row up to the device's size, and the definition's
+own workloads.
 
 Each family is the slot's own (probe/inputs.py: the same names, magnitudes and layouts) drawn at the declared
 axes, then cast to the declared dtypes with the baked constants set (`slots.problems.declare_inputs`); families
@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ...slots import SLOTS, add_rmsnorm, geglu, rmsnorm, rmsnorm_backward, rope, swiglu_backward
+from ...slots import SLOTS, add_rmsnorm, geglu, rmsnorm, rmsnorm_backward, rope, rope_backward, swiglu_backward
 from ...slots.problems import CONSTANT_INPUTS, declare_inputs, declared_dtypes
 from . import inputs as fi
 from .magnitudes import GRID, Sweep, _family as _scaled_family
@@ -30,8 +30,8 @@ ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 # seconds; qkv_proj at hidden 2048 (6.5M, a 3072 x 2048 weight) would take many minutes.
 LONG_CPU_ELEMENTS = 1 << 20
 WORKLOAD_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}  # a workload family's input elements, at most
-SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "add_rmsnorm", "qkv_proj", "rope", "attn_softcap",
-                  "swiglu_backward", "geglu")
+SLOTS_DECLARED = ("rmsnorm", "rmsnorm_backward", "add_rmsnorm", "qkv_proj", "rope", "rope_backward",
+                  "attn_softcap", "swiglu_backward", "geglu")
 
 
 def _dtype(shapes: dict, slot: str, name: str):
@@ -101,29 +101,30 @@ def _norm_families(mod, shapes: dict, device: str) -> list:
     ]
 
 
-def _qkv_views(name, batch, heads, seq, head_dim, dtype, **kw):
+def _qkv_views(name, batch, heads, seq, head_dim, dtype, mod=rope, **kw):
     """q and k as training hands them over: strided views of one fused qkv projection, (B, S, 3, H, D) permuted
-    to (B, H, S, D) each (model/transformer.Attention), not the contiguous tensors a benchmark allocates."""
+    to (B, H, S, D) each (model/transformer.Attention), not the contiguous tensors a benchmark allocates. `mod`:
+    rope or rope_backward, whose inputs end with q, k, position_ids, inv_freq."""
     def build(gen, device):
-        q, k, pos, inv = rope.make_inputs(gen, device, batch=batch, heads=heads, seq=seq, head_dim=head_dim,
-                                          dtype=dtype)
+        inputs = list(mod.make_inputs(gen, device, batch=batch, heads=heads, seq=seq, head_dim=head_dim, dtype=dtype))
+        q, k = inputs[-4:-2]
         v = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device, dtype)
         qkv = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2).contiguous()  # (B, S, 3, H, D)
-        qv, kv, _ = qkv.permute(2, 0, 3, 1, 4)
-        return fi.Case((qv, kv, pos, inv))
+        inputs[-4], inputs[-3], _ = qkv.permute(2, 0, 3, 1, 4)
+        return fi.Case(tuple(inputs))
 
     shape = dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, layout="qkv-views")
     return fi.Family(name, fi._shape(shape, dtype), build, **kw)
 
 
-def _rope_families(shapes: dict, device: str) -> list:
+def _rope_families(shapes: dict, device: str, mod=rope) -> list:
     hd = shapes.get("head_dim", 16)
-    dt = _dtype(shapes, "rope", "q")
+    dt = _dtype(shapes, mod.CONTRACT.name, "q")
     long_seq = min(8192, _pow2_at_most(ELEMENTS[device] // (4 * hd)))
-    r = fi._rope
+    r = lambda *a, **kw: fi._rope(*a, mod=mod, **kw)  # noqa: E731
     return [
         r("contract", 2, 2, 64, hd, dtype=dt, deep=True),
-        _qkv_views("qkv-views", 2, 2, 64, hd, dt),
+        _qkv_views("qkv-views", 2, 2, 64, hd, dt, mod=mod),
         r("theta-500k", 2, 2, 64, hd, theta=500000.0, dtype=dt),
         r("theta-1m", 2, 2, 64, hd, theta=1e6, dtype=dt),
         r("scaled-8", 2, 2, 64, hd, scaling=8.0, dtype=dt),
@@ -181,6 +182,7 @@ BUILDERS = {
     "rmsnorm_backward": lambda shapes, device: _norm_families(rmsnorm_backward, shapes, device),
     "add_rmsnorm": lambda shapes, device: _norm_families(add_rmsnorm, shapes, device),
     "rope": _rope_families,
+    "rope_backward": lambda shapes, device: _rope_families(shapes, device, rope_backward),
 }
 
 
@@ -236,6 +238,18 @@ def _rope_workload(w: dict, dt):
         b * (h + kvh) * s * hd, build
 
 
+def _rope_bwd_workload(w: dict, dt):
+    """The rope workload's q and k, with upstream gradients of the same shapes at 1e-3 (the contract's scale)."""
+    name, shape, elements, build_fwd = _rope_workload(w, dt)
+
+    def build(gen, device):
+        q, k, pos, inv = build_fwd(gen, device).inputs
+        gq, gk = ((1e-3 * torch.randn(x.shape, generator=gen)).to(device, dt) for x in (q, k))
+        return fi.Case((gq, gk, q, k, pos, inv))
+
+    return name, shape, 2 * elements, build
+
+
 def _swiglu_bwd_workload(w: dict, dt):
     n = w["elements"] if "elements" in w else w.get("rows", 1) * w.get("ff", 176)
     rows, ff = (1, n) if "elements" in w else (w.get("rows", 1), w.get("ff", 176))
@@ -271,9 +285,10 @@ def _qkv_workload(w: dict, dt):
 
 WORKLOADS = {"attn_softcap": _softcap_workload, "qkv_proj": _qkv_workload, "rmsnorm": _norm_workload(rmsnorm),
              "rmsnorm_backward": _norm_workload(rmsnorm_backward), "add_rmsnorm": _norm_workload(add_rmsnorm),
-             "rope": _rope_workload, "swiglu_backward": _swiglu_bwd_workload, "geglu": _geglu_workload}
+             "rope": _rope_workload, "rope_backward": _rope_bwd_workload, "swiglu_backward": _swiglu_bwd_workload,
+             "geglu": _geglu_workload}
 FIRST_INPUT = {"add_rmsnorm": "hidden_states", "qkv_proj": "hidden_states", "attn_softcap": "scores", "rmsnorm": "x",
-               "rmsnorm_backward": "x", "rope": "q", "swiglu_backward": "gate", "geglu": "gate"}
+               "rmsnorm_backward": "x", "rope": "q", "rope_backward": "q", "swiglu_backward": "gate", "geglu": "gate"}
 
 
 def _workload_families(slot: str, workloads: list, shapes: dict, device: str) -> tuple:

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ...slots import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
-                      rmsnorm_backward, rope, swiglu, swiglu_backward)
+                      rmsnorm_backward, rope, rope_backward, swiglu, swiglu_backward)
 from . import longrun
 
 FREQUENT_ROWS = 16  # rows checked one by one in a scatter output: the most frequent ids, those seen twice or more
@@ -247,11 +247,13 @@ def qkv_families() -> list:
 
 
 def _rope(name, batch, heads, seq, head_dim, theta=10000.0, scaling=1.0, positions="arange", dtype=torch.float32,
-          **kw):
-    """`scaling` divides inv_freq (linear position interpolation); positions: arange, offset or packed."""
+          mod=rope, **kw):
+    """rope / rope_backward (`mod`), whose inputs end with position_ids and inv_freq. `scaling` divides inv_freq
+    (linear position interpolation); positions: arange, offset or packed."""
     def build(gen, device):
-        q, k, pos, inv = rope.make_inputs(gen, device, batch=batch, heads=heads, seq=seq, head_dim=head_dim,
-                                          theta=theta, dtype=dtype)
+        inputs = list(mod.make_inputs(gen, device, batch=batch, heads=heads, seq=seq, head_dim=head_dim, theta=theta,
+                                      dtype=dtype))
+        pos = inputs[-2]
         if positions == "offset":  # decoding deep into a long context
             pos = pos + 100_000
         elif positions == "packed":  # documents packed into one row: positions restart at each boundary
@@ -260,28 +262,30 @@ def _rope(name, batch, heads, seq, head_dim, theta=10000.0, scaling=1.0, positio
             idx = torch.arange(seq).expand(batch, seq)
             last = torch.cummax(torch.where(starts.bool(), idx, torch.zeros_like(idx)), dim=1).values
             pos = (idx - last).to(device)
-        return Case((q, k, pos, inv / scaling))
+        inputs[-2:] = pos, inputs[-1] / scaling
+        return Case(tuple(inputs))
 
     shape = dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, theta=f"{theta:g}")
     return Family(name, _shape(shape, dtype, scaling=(scaling, 1.0)), build, **kw)
 
 
-def rope_families() -> list:
+def rope_families(mod=rope) -> list:
+    r = lambda *a, **kw: _rope(*a, mod=mod, **kw)  # noqa: E731
     return [
-        _rope("contract", 2, 2, 64, 16, deep=True),
-        _rope("theta-500k", 2, 2, 64, 16, theta=500000.0),  # Llama 3
-        _rope("theta-1m", 2, 2, 64, 16, theta=1e6),
-        _rope("theta-1234.5", 2, 2, 64, 16, theta=1234.5),  # in no table
-        _rope("scaled-8", 2, 2, 64, 16, scaling=8.0),  # linear scaling: inv_freq / 8
-        _rope("positions-offset", 2, 2, 64, 16, positions="offset"),
-        _rope("packed", 2, 2, 256, 16, positions="packed"),
-        _rope("bf16", 2, 2, 64, 16, dtype=torch.bfloat16),
-        _rope("odd", 1, 3, 37, 24),
-        _rope("head-dim-80", 2, 2, 64, 80),  # a multiple of 16, not of 128
-        _rope("batch-1", 1, 2, 64, 16),
-        _rope("long-seq", 1, 2, 8192, 64, theta=500000.0),
-        long_run(_rope("contract", 2, 2, 64, 16)),
-        _rope("production", 32, 1, PRODUCTION_TOKENS // 32, 16, theta=500000.0),  # 32 sequences of 4096
+        r("contract", 2, 2, 64, 16, deep=True),
+        r("theta-500k", 2, 2, 64, 16, theta=500000.0),  # Llama 3
+        r("theta-1m", 2, 2, 64, 16, theta=1e6),
+        r("theta-1234.5", 2, 2, 64, 16, theta=1234.5),  # in no table
+        r("scaled-8", 2, 2, 64, 16, scaling=8.0),  # linear scaling: inv_freq / 8
+        r("positions-offset", 2, 2, 64, 16, positions="offset"),
+        r("packed", 2, 2, 256, 16, positions="packed"),
+        r("bf16", 2, 2, 64, 16, dtype=torch.bfloat16),
+        r("odd", 1, 3, 37, 24),
+        r("head-dim-80", 2, 2, 64, 80),  # a multiple of 16, not of 128
+        r("batch-1", 1, 2, 64, 16),
+        r("long-seq", 1, 2, 8192, 64, theta=500000.0),
+        long_run(r("contract", 2, 2, 64, 16)),
+        r("production", 32, 1, PRODUCTION_TOKENS // 32, 16, theta=500000.0),  # 32 sequences of 4096
     ]
 
 
@@ -384,6 +388,7 @@ FAMILIES: dict = {  # slot -> its families, given the real text (which only two 
     "rmsnorm_backward": lambda text: norm_families(rmsnorm_backward),
     "qkv_proj": lambda text: qkv_families(),
     "rope": lambda text: rope_families(),
+    "rope_backward": lambda text: rope_families(rope_backward),
     "attn_softcap": lambda text: softcap_families(),
     "add_rmsnorm": lambda text: norm_families(add_rmsnorm),
     "swiglu": lambda text: swiglu_families(),

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ...slots import (SLOTS, add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
-                      rmsnorm_backward, rope, swiglu, swiglu_backward)
+                      rmsnorm_backward, rope, rope_backward, swiglu, swiglu_backward)
 from .inputs import Case, Family, frequent_rows, zipf_ids
 
 GRID = tuple(10.0 ** e for e in range(-8, 5) if e != 0)  # 1e-8 .. 1e4; 1 is the contract's own families
@@ -74,6 +74,9 @@ SWEEPS: dict = {
                       dict(batch=2, seq=64, hidden=64, heads=4, head_dim=16)),
     "rope": Sweep(_plain(rope, batch=2, heads=2, seq=64, head_dim=16), {"q": 1.0, "k": 1.0, "inv_freq": 1.0},
                   dict(batch=2, heads=2, seq=64, head_dim=16, theta="10000")),
+    "rope_backward": Sweep(_plain(rope_backward, batch=2, heads=2, seq=64, head_dim=16),
+                           {"grad_q_out": 1e-3, "grad_k_out": 1e-3, "q": 1.0, "k": 1.0, "inv_freq": 1.0},
+                           dict(batch=2, heads=2, seq=64, head_dim=16, theta="10000")),
     "attn_softcap": Sweep(_plain(attn_softcap, batch=2, heads=2, seq=64), {"scores": 30.0, "cap": 20.0},
                           dict(batch=2, heads=2, seq=64)),
     "swiglu": Sweep(_plain(swiglu, rows=256, ff=176), {"gate": 1.0, "up": 1.0}, dict(rows=256, ff=176)),
