@@ -31,6 +31,7 @@ import flashinfer_rmsnorm  # noqa: E402
 import l1_013  # noqa: E402
 import l1_046  # noqa: E402
 import l1_055  # noqa: E402
+import l1_068  # noqa: E402
 import l1_011  # noqa: E402
 import l1_012  # noqa: E402
 import l1_084  # noqa: E402
@@ -58,6 +59,7 @@ def failed(res) -> set:
     (l1_013, "l1_013", {}),
     (l1_084, "l1_084", {}),
     (l1_055, "l1_055", {}),
+    (l1_068, "l1_068", {}),
 ])
 def test_shipped_fixtures_are_the_generators_output(tmp_path, module, folder, args):
     module.write(tmp_path, **args)
@@ -395,6 +397,102 @@ def test_the_mlp_pairs_swiglu_with_its_backward_slot_when_that_is_not_the_plain_
         model = build_model(r.model, 64, kernels, 0)
         model(ids, targets).backward()
         grads[name] = model.blocks[-1].mlp.gate.weight.grad  # the last layer: its upstream gradient is the same
+    assert torch.allclose(grads["doubled"], 2 * grads["reference"], rtol=1e-4, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------- L1/068
+
+
+@pytest.fixture(scope="module")
+def sol068(tmp_path_factory):
+    return l1_068.write(tmp_path_factory.mktemp("l1_068"))
+
+
+def test_068_maps_onto_rope_backward_through_its_tables_adapter_at_head_dim_128(sol068):
+    defn = load_definition(sol068["transpose"].parent / "definition.json")
+    m = mapping(defn)
+    assert (m.slot, m.problem) == ("rope_backward", "rope_backward_tables")
+    assert m.declared == {"head_dim": 128, "dtypes": {"rope_backward": {n: "float32" for n in (
+        "grad_q_out", "grad_k_out", "q", "k")}}}  # head_dim from the expression half_head_dim * 2
+    assert [(w["batch"], w["heads"], w["kv_heads"], w["seq"]) for w in workload_shapes(defn, "rope_backward")] == \
+        [(1, 8, 8, 128), (4, 32, 8, 1024), (64, 32, 8, 4096)]
+
+
+def test_068_the_probe_passes_the_transpose_and_fails_rotate_half_in_its_place(sol068, tmp_path):
+    fams = ["contract", "qkv-views", "workload-1x8x8x128"]
+    rc, res = probe(tmp_path, sol068["transpose"], fams)
+    assert rc == 0 and res["verdict"] == "PASS", res["findings"]
+    rc, res = probe(tmp_path, sol068["rotate-half"], fams)
+    assert rc == 1 and failed(res) == set(fams)
+    assert {(f["check"], f["output"]) for f in res["findings"]} == {("error", "grad_q"), ("error", "grad_k")}
+
+
+def test_068_the_adapter_gives_the_tables_from_the_positions_and_judges_their_gradients():
+    """cos/sin [B, S, D] as the slot's reference builds them; grad_q and grad_k pass through; a grad_cos or
+    grad_sin off its float64 value (here: k's share dropped, as a kernel summing q's heads alone would) is refused
+    in one line."""
+    from divergence.slots import rope, rope_backward
+
+    adapt = PROBLEMS["rope_backward_tables"].adapt
+    inputs = rope_backward.make_inputs(torch.Generator().manual_seed(0), head_dim=16)
+    gq_out, gk_out, q, k, pos, inv = inputs
+    seen = {}
+
+    def right(gq, gk, q_, k_, cos, sin):
+        seen["tables"] = cos, sin
+        want = rope_backward.reference(gq, gk, q_, k_, pos, inv)
+        return (*want, (gq * q_).sum(1) + (gk * k_).sum(1),
+                (gq * rope._rotate_half(q_)).sum(1) + (gk * rope._rotate_half(k_)).sum(1))
+
+    got = adapt(right, *inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, rope_backward.reference(*inputs)))
+    cos, sin = rope.tables(pos, inv)
+    assert seen["tables"][0].shape == (2, 64, 16) and torch.equal(seen["tables"][0], cos[:, 0].expand(2, -1, -1))
+    assert torch.equal(seen["tables"][1][1], sin[0, 0])
+
+    def q_only(gq, gk, q_, k_, cos, sin):
+        out = right(gq, gk, q_, k_, cos, sin)
+        return (*out[:2], (gq * q_).sum(1), out[3])
+
+    with pytest.raises(CandidateError) as e:
+        adapt(q_only, *inputs)
+    assert "grad_cos" in str(e.value) and "float64" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_068_the_ab_trains_through_the_adapter_and_fails_rotate_half(sol068, tmp_path):
+    """From the solution file alone: the A/B's candidate arm trains on the kernel's gradients of q and k."""
+    rcs = {}
+    for v in ("transpose", "rotate-half"):
+        out = tmp_path / f"ab-{v}"
+        rcs[v] = main(["ab", "--candidate", str(sol068[v]), "--recipe", "tiny", "--optimizers", "sgd", "--set",
+                       "train.steps=8", "--no-wandb", "--out", str(out)])  # 8: the lockstep's fewest to judge
+        verdict = json.loads((out / "verdict.json").read_text())
+        # the lockstep sees the wrong sign from step 0; in 8 steps the loss is still inside the null envelope
+        assert verdict["case"] == ("wrong-but-masked" if v == "rotate-half" else "equivalent"), (v, verdict["summary"])
+    assert rcs == {"transpose": 0, "rotate-half": 1}
+
+
+def test_attention_pairs_rope_with_its_backward_slot_when_that_is_not_the_plain_reference():
+    """Attention's q and k gradients are the rope_backward slot's wherever that slot holds anything but the
+    unwatched reference: the candidate's gradients are the ones trained on; the plain reference's stay autograd's."""
+    from divergence.candidates.resolve import build_kernels
+    from divergence.model import build_model
+    from divergence.recipe import load_recipe
+    from divergence.slots.registry import Impl
+
+    r = load_recipe("tiny")
+    ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    grads = {}
+    for name, scale in (("reference", 1.0), ("same", 1.0), ("doubled", 2.0)):
+        def bwd(gq_out, gk_out, q, k, pos, inv, scale=scale):
+            gq, gk = SLOTS["rope_backward"].reference(gq_out, gk_out, q, k, pos, inv)
+            return gq * scale, gk * scale
+        impl = None if name == "reference" else Impl("rope_backward", name, bwd, role="candidate")
+        kernels = build_kernels({"rope_backward": impl}, {"vocab_size": 64})
+        model = build_model(r.model, 64, kernels, 0)
+        model(ids, targets).backward()
+        grads[name] = model.blocks[-1].attn.qkv.weight.grad[:2 * r.model.d_model]  # q's and k's rows
+    assert torch.allclose(grads["same"], grads["reference"], rtol=1e-5, atol=1e-9)
     assert torch.allclose(grads["doubled"], 2 * grads["reference"], rtol=1e-4, atol=1e-9)
 
 

@@ -15,6 +15,7 @@ reference, which the cross-check runs through the same adapter before anything i
     rope_tables_freqs    L1/012                                 rope              as rope_tables, from the angles
     residual_rmsnorm_bwd L1/013                                 rmsnorm_backward  normalized, rstd from x and eps
     silu_backward        L1/084                                 swiglu_backward   SiLU's backward of grad_out * up
+    rope_backward_tables L1/068                                 rope_backward     cos/sin [B, S, D]; their grads judged
     fused_add_rmsnorm    FlashInfer-Bench fused_add_rmsnorm_h*  add_rmsnorm       rows as [rows, H]; eps baked
     post_norm_residual   L1/033                                 add_rmsnorm       sublayer_output, rows [B, S, H]
     geglu_halves         L1/085                                 geglu             x = [gate | up], [B, S, 2F]
@@ -333,6 +334,64 @@ SILU_BACKWARD = Problem(
 )
 
 
+# ----------------------------------------------------------------------------- rope_backward_tables (L1/068)
+
+
+def _table_grads(grad_q_out, grad_k_out, q, k, dtype) -> tuple:
+    """(grad_cos, grad_sin), each [B, S, D], of x * cos + rotate_half(x) * sin for x = q and k: summed over heads."""
+    gq, gk, qf, kf = (x.to(dtype) for x in (grad_q_out, grad_k_out, q, k))
+    rh = rope_slot._rotate_half
+    return (gq * qf).sum(1) + (gk * kf).sum(1), (gq * rh(qf)).sum(1) + (gk * rh(kf)).sum(1)
+
+
+def _rope_backward_tables_adapt(run, grad_q_out, grad_k_out, q, k, position_ids, inv_freq):
+    """cos/sin [B, S, D] from the slot's positions and inv_freq, in fp32 as the slot's reference builds them. grad_q
+    and grad_k are the slot's outputs. The tables' gradients feed nothing in the model (its tables are no
+    parameters) but are judged here, by the probe's rule, against their float64 values with the fp32 sum over heads
+    as the reference: one product and one sum per element of q and k, cheap beside the kernel's own work."""
+    from ..detect.rule import rel_error, rounding_floor, within
+
+    cos, sin = (t[:, 0].expand(q.shape[0], -1, -1).contiguous()
+                for t in rope_slot.tables(position_ids, inv_freq, torch.float32))
+    outs = as_tuple(run(grad_q_out, grad_k_out, q, k, cos, sin))
+    if len(outs) != 4:
+        raise CandidateError(f"rope_backward: the candidate returned {len(outs)} output(s), the problem's are "
+                             "grad_q, grad_k, grad_cos and grad_sin")
+    ref = _table_grads(grad_q_out, grad_k_out, q, k, torch.float32)
+    want = _table_grads(grad_q_out, grad_k_out, q, k, torch.float64)
+    for name, got, r, o in zip(("grad_cos", "grad_sin"), outs[2:], ref, want):
+        e, er = float(rel_error(got, o)), float(rel_error(r, o))
+        if not within(e, er, rounding_floor(torch.float32)):
+            raise CandidateError(f"rope_backward: the candidate's {name} is {e:.2e} from its float64 value (relative "
+                                 f"L2), over the probe's limit for the fp32 sum over heads ({er:.2e})")
+    return outs[0], outs[1]
+
+
+_Q = ("batch", "heads", "seq", "head_dim")
+_K = ("batch", "kv_heads", "seq", "head_dim")
+_TABLE = ("float32", ("batch", "seq", "head_dim"))
+
+ROPE_BACKWARD_TABLES = Problem(
+    name="rope_backward_tables",
+    slot="rope_backward",
+    contract=_signature(
+        "rope_backward", ("grad_q_embed", "grad_k_embed", "q", "k", "cos", "sin"),
+        ("grad_q", "grad_k", "grad_cos", "grad_sin"),
+        {"grad_q_embed": (FLOATS, _Q), "grad_k_embed": (FLOATS, _K), "q": (FLOATS, _Q), "k": (FLOATS, _K),
+         "cos": _TABLE, "sin": _TABLE, "grad_q": (FLOATS, _Q), "grad_k": (FLOATS, _K), "grad_cos": _TABLE,
+         "grad_sin": _TABLE},
+        lambda inputs: [(tuple(inputs[2].shape), inputs[2].dtype), (tuple(inputs[3].shape), inputs[3].dtype),
+                        (tuple(inputs[4].shape), torch.float32), (tuple(inputs[5].shape), torch.float32)],
+        "run(grad_q_embed[B, H, S, D], grad_k_embed[B, Hkv, S, D], q, k, cos[B, S, D], sin[B, S, D]) -> grad_q, "
+        "grad_k, grad_cos, grad_sin of x * cos + rotate_half(x) * sin"),
+    adapt=_rope_backward_tables_adapt,
+    dtypes={"grad_q_out": "grad_q_embed", "grad_k_out": "grad_k_embed", "q": "q", "k": "k"},
+    problems="L1/068 rotary_position_embedding_backward",
+    model="the gradients of q and k through every attention layer's rotation; the tables' gradients judged by the "
+          "adapter, used nowhere; head size set by the definition",
+)
+
+
 # ------------------------------------------------------------------ fused_add_rmsnorm (FlashInfer), post_norm_residual
 
 
@@ -420,8 +479,8 @@ GEGLU_HALVES = Problem(
 
 
 PROBLEMS: dict = {p.name: p for p in (SOFTCAP, RMSNORM_ROWS, ROPE_COS_SIN, ROPE_TABLES, ROPE_TABLES_FREQS,
-                                      RESIDUAL_RMSNORM_BWD, SILU_BACKWARD, FUSED_ADD_RMSNORM, POST_NORM_RESIDUAL,
-                                      GEGLU_HALVES)}
+                                      RESIDUAL_RMSNORM_BWD, SILU_BACKWARD, ROPE_BACKWARD_TABLES, FUSED_ADD_RMSNORM,
+                                      POST_NORM_RESIDUAL, GEGLU_HALVES)}
 
 
 def for_slot(slot: str) -> list:
