@@ -191,9 +191,10 @@ class Transformer(nn.Module):
     def _rope_tables(self, position_ids):
         """The plain reference RoPE's cos/sin tables, built once (position_ids are always arange(S) here) and given
         to the body as inputs, shared by every layer; None where `rope` or `rope_backward` is not the plain
-        reference. Built inside each slot call, under `train.compile` inductor fused them into each layer's rotation and evaluated cos and
-        sin once per element of q and k, forward and backward (12 kernels of 27 us a step, 0.33 ms of the h200
-        recipe's 7.7; built inside the body once per step, still: one H200, 2026-11-26, `make bench --profile`).
+        reference. Built inside each slot call, under `train.compile` inductor fused them into each layer's rotation
+        and evaluated cos and sin once per element of q and k, forward and backward (12 kernels of 27 us a step, 0.33
+        ms of the h200 recipe's 7.7; built inside the body once per step, still: one H200, 2026-11-26, `make bench
+        --profile`).
         The same arithmetic as the slot's reference (slots/rope.py)."""
         if not (self.kernels.is_plain("rope") and self.kernels.is_plain("rope_backward")):
             return None
