@@ -171,6 +171,35 @@ def test_the_reference_record_under_a_candidate_whose_outputs_differ_is_a_findin
         in found
 
 
+def test_a_candidate_confined_to_its_scratch_folder_is_not_read_as_swapped(tmp_path):
+    """A candidate whose kernel server Landlock confines cannot write its arm's files, and its outputs reach
+    training as the plain tensors the lockstep check measures: a record identical to the reference's is then last
+    bits rounded away further on (a correct rope_backward null did it), not a swap."""
+    ref, cand = twins(tmp_path, with_lockstep(training_rows(), 2.1e-3, 1.7e-3))
+    assert tripwire.check(ref, cand, [], confined=True)["findings"] == []
+    (found,) = tripwire.check(ref, cand, [], confined=False)["findings"]
+    assert "training record is the reference arm's bit for bit" in found
+
+
+def test_only_a_landlocked_kernel_server_counts_as_confined():
+    from divergence.sandbox import writes_confined
+
+    class Server:
+        platform = {"landlock": 4}
+
+    class Remote:
+        server = Server()
+
+    class Impl:
+        role, fn = "candidate", type("F", (), {"sandbox": Remote()})()
+
+    assert writes_confined(Impl())
+    Server.platform = {"landlock": False, "landlock_why": "not available on this kernel"}
+    assert not writes_confined(Impl())
+    Impl.fn = lambda *a: None  # in-process
+    assert not writes_confined(Impl())
+
+
 @pytest.mark.parametrize("why, rows, evals_seed", [
     ("its outputs are the reference op's", with_lockstep(training_rows(), 1.7e-3, 1.7e-3), 0),
     # the same outputs measured by compiled metrics: the last bits of two reductions

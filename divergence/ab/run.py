@@ -289,7 +289,8 @@ def judge(recipe, slot, impl, opts, out: Path, arms: dict, corpus, vocab: int, p
         cand_st = arms.get(f"{opt}/candidate", {})
         null_keys = [f"{opt}/null-{k}" for k in range(1, recipe.ab.nulls + 1)]
         # Before anything is read: are the files those the arms left (detect/tripwire.py)?
-        trip[opt] = tripwire.check(ref_dir, out / opt / "candidate", [out / k for k in null_keys], files.rows)
+        trip[opt] = tripwire.check(ref_dir, out / opt / "candidate", [out / k for k in null_keys], files.rows,
+                                   confined=sandbox.writes_confined(impl))
         sick = health.reference_problem(recipe, opt, ref_st, ref_dir)
         if sick:
             per_opt[opt] = {"verdict": "ERROR", "detail": sick}

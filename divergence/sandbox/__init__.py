@@ -41,6 +41,15 @@ def isolation_of(impl) -> dict:
     return {"isolation": SANDBOXED, "sandbox": dict(remote.server.platform)}
 
 
+def writes_confined(impl) -> bool:
+    """Whether a loaded candidate runs in a kernel server that Landlock keeps from writing outside its scratch
+    folder (its arm's files out of its reach)."""
+    if getattr(impl, "fn", None) is None:  # nothing loaded (a test's stand-in)
+        return False
+    iso = isolation_of(impl)
+    return iso.get("isolation") == SANDBOXED and bool(iso.get("sandbox", {}).get("landlock"))
+
+
 def use_recipe(recipe) -> None:
     """`ab.sandbox: false` in effect for this process and whatever it starts (the arms, the probe's and the load's
     workers read the environment); a recipe that keeps the default leaves the environment's choice alone."""
@@ -48,4 +57,5 @@ def use_recipe(recipe) -> None:
         os.environ[OPT_OUT] = "off"
 
 
-__all__ = ["OPT_OUT", "SANDBOXED", "IN_PROCESS", "wanted", "supported", "isolation_of", "use_recipe"]
+__all__ = ["OPT_OUT", "SANDBOXED", "IN_PROCESS", "wanted", "supported", "isolation_of", "writes_confined",
+           "use_recipe"]
