@@ -63,6 +63,24 @@ def test_process_wide_settings_at_import_are_named_and_the_generator_put_back(lo
     assert got["seeded"] != 1234  # the generator put back
     said = got["settings"][0]  # then the TF32 flag that precision implies
     assert said.startswith("sets float32 matmul precision highest -> medium at import: a process-wide setting")
+    assert any(s.startswith("sets cuda matmul fp16 accumulation False -> True at import: a process-wide setting "
+                            "that changes every other op in its process") for s in got["settings"]), got["settings"]
+
+
+def test_the_blas_library_is_read_and_put_back():
+    import torch
+
+    from divergence.candidates import globalstate
+
+    before = globalstate.snapshot()
+    assert before["BLAS library"] in ("cublas", "cublaslt", "ck", "default")
+    try:
+        torch.backends.cuda.preferred_blas_library("ck")
+        said = globalstate.put_back(before)
+    finally:
+        globalstate.restore(before, ["BLAS library"])
+    assert said is not None and f"BLAS library {before['BLAS library']} -> ck" in said, said
+    assert globalstate.snapshot()["BLAS library"] == before["BLAS library"]
 
 
 def test_torch_own_tells_a_torch_wrapper_from_a_candidates():

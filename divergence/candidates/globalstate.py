@@ -25,8 +25,31 @@ def _flags() -> dict:
                               torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
         "grad mode": torch.is_grad_enabled(),
         "threads": torch.get_num_threads(),
+        # Seen set at import in real submissions: fp16 accumulation in every fp16 GEMM, and which BLAS library
+        # every GEMM of the process goes to.
+        "cuda matmul fp16 accumulation": getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None),
+        "BLAS library": _blas(),
     }
     return f
+
+
+def _blas():
+    """The preferred BLAS library's name in lower case ("cublas", "cublaslt", "ck"), as its setter takes it; None
+    where this torch has no such setting."""
+    try:
+        return torch.backends.cuda.preferred_blas_library().name.lower()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _set_fp16_accumulation(v):
+    if v is not None:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = v
+
+
+def _set_blas(v):
+    if v is not None:
+        torch.backends.cuda.preferred_blas_library(v)
 
 
 def snapshot() -> dict:
@@ -76,6 +99,8 @@ _SETTERS = {
     "cuda matmul flags": _set_cuda_matmul,
     "grad mode": torch.set_grad_enabled,
     "threads": torch.set_num_threads,
+    "cuda matmul fp16 accumulation": _set_fp16_accumulation,
+    "BLAS library": _set_blas,
     "CPU random generator": torch.random.set_rng_state,
     "CUDA random generator": lambda v: torch.cuda.set_rng_state(v),
 }
