@@ -9,12 +9,12 @@ lockstep check rides on.
 this device runs, and null-K: distinct, equally correct implementations) under each optimizer, with the lockstep
 check on every step, and keeps each checked step's score (the worst call's err_candidate / (RATIO x err_reference +
 floor)) and ratio (err_candidate / err_reference). `soak` keeps the same from the candidate arms of a finished
-calibration soak (benchmarks/calibrate.py OUT/soak). `judge` re-judges every record with detect/rule.py's
+calibration soak (benchmarks/calibrate.py OUT/soak). `judge` re-judges every record with divergence/rule.py's
 record_judgement and prints each known-good record flagged, how close the others came to each of the rule's
 constants, and the count; a record of a known-bad candidate (the zoo's `bad`) is printed with the step it was
 caught at. Exit 1 when a known-good record is flagged.
 
-The records of 2026-11-27 (2-core CPU, torch 2.13) behind detect/rule.py's constants are in
+The records of 2026-11-27 (2-core CPU, torch 2.13) behind divergence/rule.py's constants are in
 benchmarks/calibration/cpu-20261127/ (judge.txt: the judgement below):
     python benchmarks/lockstep_records.py record lockstep-good-s0.json.gz --seeds 0 --steps 200
     python benchmarks/lockstep_records.py record lockstep-bad-s0.json.gz --seeds 0 --steps 200 --only bad
@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from divergence.detect import rule  # noqa: E402
+from divergence import rule  # noqa: E402
 
 
 def _range(text: str) -> list:
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("soak", help="the candidate arms' records of a calibrate.py soak folder")
     s.add_argument("soak")
     s.add_argument("out")
-    j = sub.add_parser("judge", help="re-judge records with detect/rule.py")
+    j = sub.add_parser("judge", help="re-judge records with divergence/rule.py")
     j.add_argument("dumps", nargs="+")
     j.add_argument("--all", action="store_true", help="print every record, not only the flagged ones")
     a = ap.parse_args(argv)

@@ -14,7 +14,7 @@ from divergence.candidates.definition import find_definition, mapping, workload_
 from divergence.candidates.loader import load_candidate
 from divergence.detect.probe import checks
 from divergence.detect.probe.declared import families
-from divergence.detect.rule import allowed
+from divergence.rule import allowed
 from divergence.slots import SLOTS
 from divergence.slots.contract import as_tuple, oracle_inputs
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from divergence.detect import distances as compare, rule, verdict
+from divergence import rule
+from divergence.detect import distances as compare, verdict
 from divergence.detect.buckets import bucket_rows
 from divergence.cli import main
 from divergence.zoo import ZOO

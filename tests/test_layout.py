@@ -11,7 +11,7 @@ import divergence
 PKG = Path(divergence.__file__).parent
 # Bottom to top. A module may import its own layer and the ones before it.
 LAYERS = [
-    {"divergence", "divergence.errors", "divergence.files", "divergence.device", "divergence.names",
+    {"divergence", "divergence.errors", "divergence.files", "divergence.device", "divergence.names", "divergence.rule",
      "divergence.paths", "divergence.recipe", "divergence.shapes", "divergence.hf_config",
      "divergence.overrides", "divergence.recipes"},
     {"divergence.data"},

@@ -128,7 +128,7 @@ def test_several_calls_in_one_step_are_judged_call_by_call():
 def test_per_call_judgement_catches_one_bad_call_among_good_ones():
     """The fp32 call is wrong by its own reference; worst candidate error against worst reference error (of the
     bf16 call) would have passed the step."""
-    from divergence.detect.rule import within
+    from divergence.rule import within
 
     lk, kernels, calls = _two_layer_calls()
     alone = [dict(zip(lk.keys, lk._check(i, (o,), i).tolist())) for i, o in calls]
@@ -145,7 +145,7 @@ def test_per_call_judgement_catches_one_bad_call_among_good_ones():
 def test_the_per_call_score_is_the_rules_own(monkeypatch):
     """The score comes from rule.score, the one home of the 2x rule: change RATIO there and the lockstep's score
     follows (a copy of the formula inside lockstep.py would keep the old 2x and fail this)."""
-    from divergence.detect import rule
+    from divergence import rule
 
     lk, _, calls = _two_layer_calls()
     inputs, out = calls[1]  # the fp32 call: its reference error is far above zero, so RATIO moves the score
@@ -189,7 +189,7 @@ def test_a_kernel_wrong_on_every_third_call_is_wrong(tmp_path):
     """Wrong on calls 0, 3, 6, ... at about twice the per-step limit (error ~1.4e-2 where the limit of this bf16
     output is 2 x 1.7e-3 + 3.9e-3): never three wrong steps in a row and a median ratio of 1.00x, so neither the
     median nor a run of consecutive steps sees it; the count over the last few steps does."""
-    from divergence.detect import rule
+    from divergence import rule
     from divergence.detect import verdict as V
 
     ls, rows = _intermittent_arm(tmp_path, "CALLS[0] % 3 == 0", 1.4e-2, 15)
@@ -218,7 +218,7 @@ def test_one_call_far_over_the_limit_is_wrong(tmp_path):
 def test_a_correct_kernel_one_rounding_off_is_not_wrong_by_the_median(tmp_path):
     """attn_softcap's null-1 (exp(log_softmax): one rounding more than softmax, fp32) sits at a steady 1.7-1.8x the
     reference's own error: within the per-call rule's 2x on every step, and so within the record's median too."""
-    from divergence.detect.rule import RECORD_RATIO
+    from divergence.rule import RECORD_RATIO
 
     r = load_recipe("tiny", {"train": {"steps": 12, "val_every": 1000, "snapshot_every": 0},
                              "model": {"attn_softcap": 0.5}})

@@ -1,5 +1,5 @@
 """Any number of nulls: null-k of every slot is a distinct implementation, as correct as the reference against the
-float64 oracle by the one rule of detect/rule.py; `ab.nulls: 4` trains and judges four null arms."""
+float64 oracle by the one rule of divergence/rule.py; `ab.nulls: 4` trains and judges four null arms."""
 import json
 from pathlib import Path
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from divergence.candidates.resolve import resolve
-from divergence.detect.rule import rel_error, rounding_floor, within
+from divergence.rule import rel_error, rounding_floor, within
 from divergence.errors import CandidateError
 from divergence.slots import SLOTS
 from divergence.slots.contract import as_tuple

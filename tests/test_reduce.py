@@ -2,7 +2,7 @@
 import torch
 
 from divergence.detect.probe.call import _worse_order
-from divergence.detect.rule import rel_error
+from divergence.rule import rel_error
 from divergence.slots import SLOTS
 from divergence.slots.reduce import sequential_sum
 

@@ -1,8 +1,8 @@
-"""The lockstep record's rule (detect/rule.py): intermittent errors, single far-off calls and correct kernels'
+"""The lockstep record's rule (divergence/rule.py): intermittent errors, single far-off calls and correct kernels'
 noise, and what the verdict and the report say about each."""
 import numpy as np
 
-from divergence.detect import rule
+from divergence import rule
 from divergence.detect import verdict as V
 from divergence.report import words
 

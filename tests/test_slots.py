@@ -1,7 +1,7 @@
 """Each slot's reference against a direct float64 computation written independently of the slot's code
 (autograd of the float64 forward for the backward slots, an explicit rotation for RoPE, ...).
 
-A reference with bf16 outputs is judged with the one error rule (divergence/detect/rule.py) against the best a bf16
+A reference with bf16 outputs is judged with the one error rule (divergence/rule.py) against the best a bf16
 output can be: the exact answer rounded once. A fixed `rel < 1e-2` passed a bf16-accumulating embedding gradient
 on the default uniform ids (error 2.3e-3 there: 1.4x one rounding, measured); on Zipfian ids with hundreds of
 contributions per row it is 8x, outside the rule.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from divergence.candidates.resolve import build_kernels
-from divergence.detect import rule
+from divergence import rule
 from divergence.detect.probe.inputs import zipf_ids
 from divergence.slots import SLOTS
 from divergence.slots.nulls import NULLS

@@ -149,7 +149,7 @@ def test_steady_2_5x_error_on_a_bf16_output_is_wrong_by_the_record(tmp_path):
 
 
 def test_record_rule_needs_enough_steps():
-    from divergence.detect.rule import MIN_RECORD_STEPS, record_judgement
+    from divergence.rule import MIN_RECORD_STEPS, record_judgement
 
     # Every step under its per-step limit (score 0.5): only the median can judge these records.
     short = record_judgement(list(range(MIN_RECORD_STEPS - 1)), [3.0] * (MIN_RECORD_STEPS - 1),

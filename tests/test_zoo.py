@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from divergence.candidates.loader import load_candidate
-from divergence.detect import rule
+from divergence import rule
 from divergence.errors import CandidateError
 from divergence.recipe import REPO_ROOT
 from divergence.slots import SLOTS, attn_softcap, fused_embed_rmsnorm, rmsnorm_backward, rope
@@ -34,7 +34,7 @@ def rel(out, oracle) -> float:
 
 
 def bound(ref_err: float, dtype: torch.dtype = torch.bfloat16) -> float:
-    """The one error rule (divergence/detect/rule.py) for an output of `dtype` (bf16 unless said)."""
+    """The one error rule (divergence/rule.py) for an output of `dtype` (bf16 unless said)."""
     return rule.allowed(ref_err, dtype)
 
 

@@ -37,9 +37,9 @@ from ..slots import SLOTS, bitwise
 from ..errors import OutputError
 from ..slots.contract import as_tuple, oracle_inputs
 from ..slots.outputs import OVERWRITTEN, Flags, Kept, is_overwritten_error
-from . import rule
+from .. import rule
 from .buckets import bucket_rows
-from .rule import RATIO, diff64 as _diff, record_judgement, record_ratio, rel_error as _rel, rounding_floor
+from ..rule import RATIO, diff64 as _diff, record_judgement, record_ratio, rel_error as _rel, rounding_floor
 
 
 def _row_sq(x: torch.Tensor) -> torch.Tensor:

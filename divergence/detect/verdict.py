@@ -273,7 +273,7 @@ def ab_signal(per_opt: dict) -> dict:
 
 
 def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
-    from .rule import MIN_RECORD_STEPS, over_words
+    from ..rule import MIN_RECORD_STEPS, over_words
 
     if not enabled:
         return _sig("SKIPPED", "lockstep check off (ab.lockstep_every: 0)")
@@ -410,7 +410,7 @@ def _fold_lockstep(v: dict, lockstep_enabled: bool):
             v["verdict"] = "WRONG"
             v["detail"] = f"{ls['global_state']}, seen on live inputs (put back after each call)"
     if v["verdict"] in ("PASS", "INCONCLUSIVE") and ls.get("wrong"):
-        from .rule import over_words
+        from ..rule import over_words
 
         rec = ls.get("record") or {}
         v["verdict"] = "WRONG"

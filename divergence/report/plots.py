@@ -341,7 +341,7 @@ def lockstep_errors(res, path):
 
 def _lockstep_by_step(ax, res, opt, ref):
     """The candidate's and the reference op's error against fp64 at each checked step, with the limit."""
-    from ..detect.rule import RATIO
+    from ..rule import RATIO
 
     s, ec = ref.series("lockstep/err_candidate")
     _, er = ref.series("lockstep/err_reference")

@@ -142,7 +142,7 @@ def lockstep_series(ref: Arm, bucket: str, what: str):
 
 def lockstep_table(ref: Arm) -> list:
     """Per bucket: median and worst error of candidate and reference over the checked steps, and the limit."""
-    from ..detect.rule import RATIO
+    from ..rule import RATIO
 
     _, floor = ref.series("lockstep/floor")
     fl = float(np.median(floor)) if len(floor) else 0.0

@@ -97,7 +97,7 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
 def lockstep_sentence(ls) -> str:
     """The op-level check on the candidate arm's live inputs, in one sentence: how many checked steps were over the
     per-step limit and the worst, whatever the judgement (a pass never reads as "every step within")."""
-    from ..detect.rule import RATIO, over_words
+    from ..rule import RATIO, over_words
 
     if not ls:
         return "not run"

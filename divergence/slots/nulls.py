@@ -9,7 +9,7 @@ k >= 3 comes from the slot's FAMILY, a distinct implementation per k: the slot's
 another order (a permutation seeded by k of the token, hidden, key or vocabulary axis), or, for the elementwise
 slots, the same fp32 formula through another rounding path (RoPE as two rotations, by (p - k) and by k positions;
 SwiGLU with `up` scaled by a non-power-of-two constant and unscaled after). tests/test_nulls.py checks each of
-null-1..null-6 of every slot against the float64 oracle with the rule of detect/rule.py.
+null-1..null-6 of every slot against the float64 oracle with the rule of divergence/rule.py.
 """
 from __future__ import annotations
 

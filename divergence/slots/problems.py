@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import CandidateError, OutputError
+from ..rule import rel_error, rounding_floor, within
 from . import rope as rope_slot
 from .contract import Contract, as_tuple
 from .outputs import output_problem
@@ -349,8 +350,6 @@ def _rope_backward_tables_adapt(run, grad_q_out, grad_k_out, q, k, position_ids,
     and grad_k are the slot's outputs. The tables' gradients feed nothing in the model (its tables are no
     parameters) but are judged here, by the probe's rule, against their float64 values with the fp32 sum over heads
     as the reference: one product and one sum per element of q and k, cheap beside the kernel's own work."""
-    from ..detect.rule import rel_error, rounding_floor, within
-
     cos, sin = (t[:, 0].expand(q.shape[0], -1, -1).contiguous()
                 for t in rope_slot.tables(position_ids, inv_freq, torch.float32))
     outs = as_tuple(run(grad_q_out, grad_k_out, q, k, cos, sin))

@@ -14,7 +14,7 @@ import torch
 from ...errors import OutputError
 from ...slots.contract import as_tuple, oracle_inputs
 from ...slots.outputs import OVERWRITTEN, Kept, is_overwritten_error, output_problem
-from ..rule import rel_error
+from ...rule import rel_error
 from . import checks
 from .inputs import family_seed
 

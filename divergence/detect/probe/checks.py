@@ -12,7 +12,7 @@ import torch
 
 from ...errors import UserError
 from ...slots import bitwise
-from ..rule import allowed, rel_error as _rel
+from ...rule import allowed, rel_error as _rel
 from ...slots.contract import Contract
 
 # The kinds of finding, in the order the table lists them; crash and timeout are the worker's watchdog's (isolate.py).

@@ -22,7 +22,7 @@ import torch
 from ...candidates.definition import Definition, DefinitionError, mapping
 from ...slots.contract import as_tuple, oracle_inputs
 from ...slots.problems import CONSTANT_INPUTS, PROBLEMS, adapted, declare_inputs
-from ..rule import allowed
+from ...rule import allowed
 from . import checks
 
 SMALL_VAR = {"batch": 2, "seq": 64}  # the variable axes of the check's one input: the constant ones decide

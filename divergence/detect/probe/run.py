@@ -24,7 +24,7 @@ import torch
 from ... import gpu as G
 from ...device import pick_device
 from ...errors import UserError
-from ..rule import RATIO
+from ...rule import RATIO
 from . import checks, isolate
 from . import shapes as shaped
 from .isolate import NOT_ALONE

@@ -2,7 +2,8 @@
 may be at most RATIO x the reference implementation's own error on the same input, plus half an ulp of the output
 dtype. The floor is there for outputs that round to exactly what the reference rounds to; where it dominates the
 reference's own error the rule has quietly become a fixed tolerance, so callers that judge a whole record (the
-lockstep check) look at the ratio too. The probe, the lockstep check and the tests import it from here.
+lockstep check) look at the ratio too. The probe, the lockstep check, the slot adapters (a problem's outputs the
+model does not use: slots/problems.py) and the tests import it from here.
 """
 from __future__ import annotations
 
