@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     if a.shape:
         over["shapes"] = parse_shape_arg(a.shape)
     recipe = load_recipe(a.recipe, over)
-    kernels = {} if a.arm == "reference" else {slot: a.arm for slot in ("fused_embed_rmsnorm",)}
+    kernels = {} if a.arm == "reference" else {"fused_embed_rmsnorm": a.arm}  # a null in the embedding slot
     trace = MemoryTrace()
     if a.snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
