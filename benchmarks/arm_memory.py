@@ -40,6 +40,7 @@ class MemoryTrace:
 
     def __init__(self):
         self.rows = []
+        self.pools = []
 
     def _row(self, step):
         self.rows.append({"step": step, "allocated": _gib(torch.cuda.memory_allocated()),
@@ -58,7 +59,26 @@ class MemoryTrace:
                 torch.cuda.synchronize()
                 trace._row(module.step_no - 1)
 
+            def on_train_end(self, trainer, module):
+                trace.pools = pools()
+
         return _Cb()
+
+
+def pools() -> list:
+    """The allocator's segments now, summed by memory pool and stream: a CUDA graph's private pool is a pool of its
+    own (id (0, 0) is the ordinary one), and a block cached for one stream serves no other."""
+    by = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = (str(tuple(seg.get("segment_pool_id", (0, 0)))), hex(seg.get("stream", 0)))
+        row = by.setdefault(key, {"pool": key[0], "stream": key[1], "segments": 0, "reserved": 0, "allocated": 0})
+        row["segments"] += 1
+        row["reserved"] += seg["total_size"]
+        row["allocated"] += seg["allocated_size"]
+    rows = sorted(by.values(), key=lambda r: -r["reserved"])
+    for r in rows:
+        r["reserved"], r["allocated"] = _gib(r["reserved"]), _gib(r["allocated"])
+    return rows
 
 
 def main(argv=None) -> int:
@@ -71,6 +91,12 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets")
     ap.add_argument("--out", default="arm-memory.json")
     ap.add_argument("--snapshot", help="also record the allocator's history and dump it here")
+    ap.add_argument("--cap-gib", type=float,
+                    help="cap this process's CUDA allocator at this many GiB (torch's per-process memory fraction): "
+                         "whether the arm trains within it, its cache handed back whenever it reaches the cap")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="do not hand the gradients and the allocator's cache back before the step graph's capture "
+                         "(what arms did before they did; to compare)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("arm_memory: needs a CUDA GPU (this measures the CUDA allocator)", file=sys.stderr)
@@ -81,6 +107,12 @@ def main(argv=None) -> int:
     from divergence.shapes import parse_shape_arg
     from divergence.train.arm import ArmSpec, run_arm
 
+    if a.keep_cache:  # this benchmark's own comparison: the arm without its release before capture
+        from divergence.train import module as arm_module
+        arm_module.ArmModule.release_for_capture = lambda self: None
+        arm_module._release_cache = lambda: None
+    if a.cap_gib:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * GiB / torch.cuda.mem_get_info()[1]))
     over = sets_to_overrides(a.sets)
     over.setdefault("train", {})["steps"] = a.steps
     if a.shape:
@@ -100,7 +132,7 @@ def main(argv=None) -> int:
     timings = {k: v for k, v in (info.get("timings") or {}).items() if "graph" in k}
     result = {"recipe": recipe.name, "shapes": recipe.shapes, "optimizer": a.optimizer, "arm": a.arm,
               "status": info.get("status"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "graphs": timings, "rows": trace.rows}
+              "keep_cache": a.keep_cache, "cap_gib": a.cap_gib, "graphs": timings, "pools": trace.pools, "rows": trace.rows}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
     print(f"{a.arm} under {a.optimizer}, {recipe.name} at {a.shape} on {result['device']}: {info.get('status')}; "
@@ -115,6 +147,10 @@ def main(argv=None) -> int:
             print(f"{r['step']:>5} {r['allocated']:>10} {r['reserved']:>9} {r['peak_allocated']:>11} "
                   f"{r['peak_reserved']:>10}")
     print(f"peak: {top[0]} GiB allocated, {top[1]} GiB reserved; trace in {a.out}")
+    print("at the last step, by pool and stream (GiB):")
+    for r in trace.pools:
+        print(f"  pool {r['pool']:<10} stream {r['stream']:<16} {r['segments']:>4} segments, "
+              f"{r['reserved']:>6} reserved, {r['allocated']:>6} allocated")
     return 0
 
 

@@ -69,6 +69,37 @@ def test_an_arm_that_ends_in_its_warm_up_says_so():
     assert "warm-up" in g.describe()["step_graph"]
 
 
+def test_what_the_eager_steps_left_is_handed_back_once_right_before_the_capture():
+    events = []
+
+    def capture(fn, inputs, stream):
+        events.append("capture")
+        return _fake_capture(fn, inputs, stream)
+
+    g = StepGraph(warmup=2, capture=capture, before_capture=lambda: events.append("release"))
+    for i in range(5):
+        events.append(f"call {i}")
+        g(lambda x: (x + 1,), torch.tensor(float(i)))
+    assert events == ["call 0", "call 1", "call 2", "release", "capture", "call 3", "call 4"]
+
+
+def test_an_arm_drops_its_gradients_before_its_step_graph_captures():
+    """The last eager step's gradients would otherwise stay reserved beside the ones the capture allocates in the
+    graph's pool (benchmarks/arm_memory.py measures it on a GPU)."""
+    from divergence.train.module import ArmModule
+
+    r = load_recipe("tiny")
+    g = StepGraph()
+    m = ArmModule(r, "sgd", build_kernels({}, {"vocab_size": 512}), 512, sink=None, step_graph=g)
+    assert g.before_capture == m.release_for_capture and m.eval_graph.before_capture is not None
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m.optimizers = lambda: opt  # what Lightning hands the module inside fit
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    m.release_for_capture()
+    assert all(p.grad is None for p in m.parameters())
+
+
 def test_only_arms_that_run_no_candidate_code_get_a_step_graph_on_cuda():
     h200 = load_recipe("h200")
     ref, null = build_kernels({}), build_kernels({"fused_embed_rmsnorm": "null-1"})

@@ -26,8 +26,11 @@ class ArmModule(pl.LightningModule):
         self.automatic_optimization = False
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
         self.step_graph = step_graph
+        if step_graph is not None and step_graph.before_capture is None:
+            step_graph.before_capture = self.release_for_capture
         # Its evaluations likewise (same arms, same reasons): replayed from the second on (evaluation).
-        self.eval_graph = StepGraph(warmup=1, pure=True, unit="evaluation") if step_graph is not None else None
+        self.eval_graph = (StepGraph(warmup=1, pure=True, unit="evaluation", before_capture=_release_cache)
+                           if step_graph is not None else None)
         self._eval_inputs = None
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
         # Under `train.step_graph` every arm's body is plain inductor, the candidate's too: inside a whole-step graph
@@ -97,6 +100,14 @@ class ArmModule(pl.LightningModule):
         if self.recipe.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.recipe.train.grad_clip)
         return loss, gnorm
+
+    def release_for_capture(self):
+        """Before the step graph's capture: the last eager step's gradients (the optimizer has stepped on them) and
+        every block the allocator keeps cached. The capture allocates the step's activations and gradients again,
+        in the graph's own pool; without this the warm-up's copies (allocated on the warm-up's side stream, so
+        never reused by anything else) stayed reserved beside them for the whole arm."""
+        self.optimizers().zero_grad(set_to_none=True)
+        _release_cache()
 
     def on_train_end(self):
         # The last evaluation and snapshot, while the model is still on the device: after `fit`, Lightning's
@@ -242,3 +253,9 @@ def hook_state(module, optimizer) -> dict:
         out.update({f"{mod.__name__}.{k}": _items(v) for k, v in vars(mod).items()
                     if k.startswith("_global_") and "hook" in k})
     return out
+
+
+def _release_cache():
+    """Hands the CUDA allocator's unused cached blocks back to the driver (nothing where there is no GPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -37,8 +37,12 @@ class StepGraph:
     in `off` and every later call runs `fn` eagerly: the step the capture was for is then run eagerly too, so no
     step is lost or done twice (while capturing, `fn`'s Python runs but none of its device work does)."""
 
-    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step"):
+    def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step",
+                 before_capture: Optional[Callable[[], None]] = None):
+        """`before_capture`: called right before the capture, to drop what the eager calls left behind (the
+        module's: its gradients and the allocator's cache, train/module.ArmModule.release_for_capture)."""
         self.warmup, self.pure, self.unit = warmup, pure, unit  # unit: what one call is, for describe()
+        self.before_capture = before_capture
         self.calls = 0
         self.graph = None
         self.static_inputs = None
@@ -88,6 +92,8 @@ class StepGraph:
     def _try_capture(self, fn, inputs, call: int) -> bool:
         """Capture `fn` on copies of `inputs` (True), or give the graph up with the reason (False)."""
         t0 = time.perf_counter()
+        if self.before_capture is not None:
+            self.before_capture()
         static = tuple(x.clone() for x in inputs)
         try:
             graph, outputs = self._capture(fn, static, self._stream)
