@@ -17,13 +17,16 @@ class _FakeGraph:
     def __init__(self, fn, inputs, outputs):
         self.fn, self.inputs, self.outputs, self.replays = fn, inputs, outputs, 0
 
+    def pool(self):
+        return ("pool of", id(self))
+
     def replay(self):
         self.replays += 1
         for dst, src in zip(self.outputs, self.fn(*self.inputs)):
             dst.copy_(src)
 
 
-def _fake_capture(fn, inputs, stream):
+def _fake_capture(fn, inputs, stream, pool=None):
     outputs = tuple(torch.empty_like(o) for o in fn(*inputs))  # shapes only: a real capture runs nothing
     return _FakeGraph(fn, inputs, outputs), outputs
 
@@ -53,7 +56,7 @@ def test_a_failed_capture_runs_that_step_eagerly_once_and_gives_the_graph_up():
         runs.append(x.item())
         return (x + 1,)
 
-    def capture_that_fails(fn, inputs, stream):
+    def capture_that_fails(fn, inputs, stream, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     g = StepGraph(warmup=2, capture=capture_that_fails)
@@ -72,7 +75,7 @@ def test_an_arm_that_ends_in_its_warm_up_says_so():
 def test_what_the_eager_steps_left_is_handed_back_once_right_before_the_capture():
     events = []
 
-    def capture(fn, inputs, stream):
+    def capture(fn, inputs, stream, pool=None):
         events.append("capture")
         return _fake_capture(fn, inputs, stream)
 
@@ -80,7 +83,27 @@ def test_what_the_eager_steps_left_is_handed_back_once_right_before_the_capture(
     for i in range(5):
         events.append(f"call {i}")
         g(lambda x: (x + 1,), torch.tensor(float(i)))
-    assert events == ["call 0", "call 1", "call 2", "release", "capture", "call 3", "call 4"]
+    # before the last warm-up (the side stream's) and before the capture
+    assert events == ["call 0", "call 1", "release", "call 2", "release", "capture", "call 3", "call 4"]
+
+
+def test_graphs_given_one_shared_pool_capture_into_the_first_ones_pool():
+    from divergence.train.stepgraph import SharedPool
+
+    seen = []
+
+    def capture(fn, inputs, stream, pool=None):
+        seen.append(pool)
+        return _fake_capture(fn, inputs, stream)
+
+    shared = SharedPool()
+    first = StepGraph(warmup=1, pure=True, capture=capture, pool=shared)
+    second = StepGraph(warmup=2, capture=capture, pool=shared)
+    alone = StepGraph(warmup=1, pure=True, capture=capture)
+    for g in (first, second, alone):
+        for i in range(3):
+            g(lambda x: (x + 1,), torch.tensor(float(i)))
+    assert seen == [None, first.graph.pool(), None] and shared.handle == first.graph.pool()
 
 
 def test_an_arm_drops_its_gradients_before_its_step_graph_captures():
@@ -92,6 +115,7 @@ def test_an_arm_drops_its_gradients_before_its_step_graph_captures():
     g = StepGraph()
     m = ArmModule(r, "sgd", build_kernels({}, {"vocab_size": 512}), 512, sink=None, step_graph=g)
     assert g.before_capture == m.release_for_capture and m.eval_graph.before_capture is not None
+    assert g.pool is m.eval_graph.pool is not None  # one memory pool for the arm's two graphs
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     m.optimizers = lambda: opt  # what Lightning hands the module inside fit
     for p in m.parameters():

@@ -14,7 +14,7 @@ from ..model.transformer import uses_cudagraphs
 from ..slots.outputs import TENSOR_HOOKS, Flags
 from .norms import UpdateRatio, group_norms
 from .optim import build_optimizer, lr_lambda
-from .stepgraph import StepGraph
+from .stepgraph import SharedPool, StepGraph
 from .width import param_groups
 
 
@@ -26,11 +26,18 @@ class ArmModule(pl.LightningModule):
         self.automatic_optimization = False
         self.recipe, self.opt_name, self.sink = recipe, optimizer, sink
         self.step_graph = step_graph
-        if step_graph is not None and step_graph.before_capture is None:
-            step_graph.before_capture = self.release_for_capture
-        # Its evaluations likewise (same arms, same reasons): replayed from the second on (evaluation).
-        self.eval_graph = (StepGraph(warmup=1, pure=True, unit="evaluation", before_capture=_release_cache)
-                           if step_graph is not None else None)
+        # Its evaluations likewise (same arms, same reasons): replayed from the second on (evaluation). The two
+        # graphs share one memory pool and hand back what their eager calls left before they capture: at 4096 x
+        # 65,536 under AdamW an arm reserved 32.8 GiB for an allocated peak of 18.5 without that (one H100,
+        # 2026-11-27, benchmarks/arm_memory.py; docs/production-shapes.md).
+        self.eval_graph = None
+        if step_graph is not None:
+            pool = SharedPool()
+            if step_graph.before_capture is None:
+                step_graph.before_capture = self.release_for_capture
+            step_graph.pool = step_graph.pool or pool
+            self.eval_graph = StepGraph(warmup=1, pure=True, unit="evaluation", before_capture=_release_cache,
+                                        pool=step_graph.pool)
         self._eval_inputs = None
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
         # Under `train.step_graph` every arm's body is plain inductor, the candidate's too: inside a whole-step graph
@@ -102,10 +109,10 @@ class ArmModule(pl.LightningModule):
         return loss, gnorm
 
     def release_for_capture(self):
-        """Before the step graph's capture: the last eager step's gradients (the optimizer has stepped on them) and
-        every block the allocator keeps cached. The capture allocates the step's activations and gradients again,
-        in the graph's own pool; without this the warm-up's copies (allocated on the warm-up's side stream, so
-        never reused by anything else) stayed reserved beside them for the whole arm."""
+        """Before the step graph's last warm-up (on a side stream) and its capture: the last eager step's gradients
+        (the optimizer has stepped on them) and every block the allocator keeps cached. The side stream reuses no
+        block cached for the arm's own stream, and the capture allocates the step's activations and gradients again
+        in the graph's pool: without this each left a step's worth reserved beside the next for the whole arm."""
         self.optimizers().zero_grad(set_to_none=True)
         _release_cache()
 

@@ -38,11 +38,14 @@ class StepGraph:
     step is lost or done twice (while capturing, `fn`'s Python runs but none of its device work does)."""
 
     def __init__(self, warmup: int = 3, capture: Optional[Callable] = None, pure: bool = False, unit: str = "step",
-                 before_capture: Optional[Callable[[], None]] = None):
-        """`before_capture`: called right before the capture, to drop what the eager calls left behind (the
-        module's: its gradients and the allocator's cache, train/module.ArmModule.release_for_capture)."""
+                 before_capture: Optional[Callable[[], None]] = None, pool: Optional["SharedPool"] = None):
+        """`before_capture`: called before the last warm-up call and again right before the capture, to hand back
+        what the eager calls left behind (the module's gradients and the allocator's cache,
+        train/module.ArmModule.release_for_capture). `pool`: graphs given the same SharedPool capture into one
+        memory pool (see SharedPool)."""
         self.warmup, self.pure, self.unit = warmup, pure, unit  # unit: what one call is, for describe()
         self.before_capture = before_capture
+        self.pool = pool
         self.calls = 0
         self.graph = None
         self.static_inputs = None
@@ -50,7 +53,8 @@ class StepGraph:
         self.off: Optional[str] = None  # why the graph was given up, if it was
         self.captured_at: Optional[int] = None  # the call (0-based) that was captured
         self.capture_s: Optional[float] = None
-        self._capture = capture or _cuda_capture  # (fn, inputs, stream) -> (graph, outputs); injectable for tests
+        # (fn, inputs, stream, pool) -> (graph, outputs); injectable for tests
+        self._capture = capture or _cuda_capture
         self._stream = None
 
     def __call__(self, fn: Callable, *inputs):
@@ -67,6 +71,7 @@ class StepGraph:
         if call < self.warmup - 1:
             return fn(*inputs)
         if call == self.warmup - 1:
+            self._release()  # the side stream reuses no block cached for the caller's stream
             out = self._on_side_stream(fn, inputs)
             if self.pure:
                 self._try_capture(fn, inputs, call)  # the next call is its first replay
@@ -92,17 +97,22 @@ class StepGraph:
     def _try_capture(self, fn, inputs, call: int) -> bool:
         """Capture `fn` on copies of `inputs` (True), or give the graph up with the reason (False)."""
         t0 = time.perf_counter()
-        if self.before_capture is not None:
-            self.before_capture()
+        self._release()
         static = tuple(x.clone() for x in inputs)
         try:
-            graph, outputs = self._capture(fn, static, self._stream)
+            graph, outputs = self._capture(fn, static, self._stream, self.pool.handle if self.pool else None)
         except Exception as e:  # give the graph up; this call and the rest run eagerly
             self.off = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
             return False
         self.graph, self.static_inputs, self.static_outputs = graph, static, outputs
         self.captured_at, self.capture_s = call, time.perf_counter() - t0
+        if self.pool is not None and self.pool.handle is None:
+            self.pool.handle = graph.pool()
         return True
+
+    def _release(self):
+        if self.before_capture is not None:
+            self.before_capture()
 
     def describe(self, key: str = "step_graph") -> dict:
         """For arm.json `timings`, under `key`: whether and where it was captured, or why not."""
@@ -113,11 +123,25 @@ class StepGraph:
         return {key: f"captured at {self.unit} {self.captured_at}", f"{key}_capture_s": round(self.capture_s, 3)}
 
 
+class SharedPool:
+    """One memory pool for graphs that never replay at once and keep nothing in their temporaries from one replay to
+    the next: an arm's evaluation graph and its step graph. Captured into one pool, the later capture reuses the
+    earlier one's freed temporaries; the blocks each graph keeps (its outputs, the step's gradients) stay its own.
+    A replay of one may overwrite what the other left in its temporaries, which is why only graphs whose outputs
+    are copied out at once (StepGraph returns fresh copies) and whose kept state is rewritten on every replay before
+    it is read (the gradients: written by the step's backward, read by the optimizer right after) may share.
+    At 4096 x 65,536 under AdamW (one H100, 2026-11-27, benchmarks/arm_memory.py) the evaluation's pool held 7.0 GiB
+    and the step's 5.65 GiB, each its own."""
+
+    def __init__(self):
+        self.handle = None  # torch.cuda.graph_pool_handle() of the first capture
+
+
 def _side_stream():
     return torch.cuda.Stream() if torch.cuda.is_available() else None
 
 
-def _cuda_capture(fn, inputs, stream):
+def _cuda_capture(fn, inputs, stream, pool=None):
     graph = torch.cuda.CUDAGraph()
     stream = stream or torch.cuda.Stream()
     first_error = None
@@ -130,7 +154,7 @@ def _cuda_capture(fn, inputs, stream):
             # Autocast's cache off while capturing (as torch.cuda.graph's notes ask): a weight's cast cached during
             # capture would live in the graph's memory, never computed, for any eager op after it in the same
             # autocast region. The same cast kernels run either way; only their reuse within the region is lost.
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 try:
                     with _autocast_uncached():
                         outputs = fn(*inputs)
