@@ -84,7 +84,7 @@ class StepGraph:
     def _on_side_stream(self, fn, inputs):
         # The last warm-up on the stream capture will use: cuBLAS and cuDNN keep per-stream state (workspaces,
         # plans), which must not be first created while capturing.
-        self._stream = _side_stream()
+        self._stream = self.pool.stream() if self.pool is not None else _side_stream()
         if self._stream is None:
             return fn(*inputs)
         current = torch.cuda.current_stream()
@@ -130,11 +130,20 @@ class SharedPool:
     A replay of one may overwrite what the other left in its temporaries, which is why only graphs whose outputs
     are copied out at once (StepGraph returns fresh copies) and whose kept state is rewritten on every replay before
     it is read (the gradients: written by the step's backward, read by the optimizer right after) may share.
-    At 4096 x 65,536 under AdamW (one H100, 2026-11-27, benchmarks/arm_memory.py) the evaluation's pool held 7.0 GiB
-    and the step's 5.65 GiB, each its own."""
+    The graphs also warm up and capture on one stream: the allocator keeps a freed block for the stream it was
+    used on, so two graphs of one pool captured on two streams still kept two sets of blocks. At 4096 x 65,536
+    under AdamW (one H100, 2026-11-27, benchmarks/arm_memory.py) the evaluation's blocks were 7.0 GiB and the
+    step's 5.65 GiB, each its own, with one pool and two streams as with two pools."""
 
     def __init__(self):
         self.handle = None  # torch.cuda.graph_pool_handle() of the first capture
+        self._stream = None
+
+    def stream(self):
+        """The one side stream its graphs warm up and capture on (None without CUDA)."""
+        if self._stream is None:
+            self._stream = _side_stream()
+        return self._stream
 
 
 def _side_stream():
