@@ -304,6 +304,19 @@ def test_a_kind_is_measured_by_an_arm_that_ended_not_by_one_still_growing(tmp_pa
     assert at_once(tmp_path) == 2
 
 
+def test_the_nulls_start_together_once_the_reference_has_ended(tmp_path, monkeypatch):
+    """The reference and the nulls are one kind (the same model and step, a harness kernel apiece): once the
+    reference has ended its record sizes every null, and three start at once. As kinds of their own, the first null
+    ran alone after the reference, and the rest after it."""
+    recipe = setup(tmp_path, monkeypatch, 20 * GiB, run_s=0.8)
+    res = runner.run_jobs(recipe, arms(tmp_path, ["reference", "null-1", "null-2", "null-3"]), None, "cpu", 6,
+                          placer=gpus(tmp_path, 6))
+    assert {st["status"] for st in res.values()} == {"OK"}
+    ev = {e["arm"]: e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())}
+    assert all(ev[n]["start"] >= ev["reference"]["end"] for n in ("null-1", "null-2", "null-3"))
+    assert at_once(tmp_path) == 3
+
+
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     """A probe on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed before: 45 GiB
     learned from an earlier probe's record (its last growth read after it ended), 10 GiB held by the one running

@@ -258,3 +258,19 @@ def test_a_capture_that_syncs_is_given_up_with_its_own_reason_and_the_callers_st
     # torch's CUDA generators left the failed capture's mode: random ops outside a graph work (they raised "Offset
     # increment outside graph capture encountered unexpectedly" in the next test, H200, 2026-11-26)
     assert torch.randn(8, device="cuda").isfinite().all()
+
+
+def test_an_evaluation_in_pieces_is_the_whole_batchs_loss_to_float_rounding():
+    """What a captured evaluation computes (eval_rows sequences at a time) against the whole batch at once."""
+    from divergence.train.module import ArmModule, eval_rows
+
+    assert eval_rows(256, 65536) == 8 and eval_rows(64, 512) >= 32  # h200-shapes: 4 pieces; tiny: one
+    r = load_recipe("tiny")
+    m = ArmModule(r, "sgd", build_kernels({}, {"vocab_size": 512}), 512, sink=None)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 512, (8, 64), generator=g), torch.randint(0, 512, (8, 64), generator=g))
+               for _ in range(2)]
+    whole = m.evaluate(batches)
+    assert torch.equal(m.evaluate(batches, rows=8), whole)  # one piece: the same computation
+    pieces = m.evaluate(batches, rows=3)  # 3 + 3 + 2 rows, weighted by rows
+    assert pieces.dtype == torch.float64 and abs(pieces.item() - whole.item()) < 1e-6 * whole.item()

@@ -5,7 +5,7 @@
 What an arm needs is measured, not guessed: each CUDA arm writes the peak of the GPU memory its processes' allocators
 reserved (its own and its kernel servers') to MEMORY_FILE in its folder as it grows (watch_arm); to that, each of its
 processes adds what it holds outside its allocator (its CUDA context, cuBLAS workspaces, loaded kernels), which the
-Placer measures on the GPU while an arm runs alone there (observe). An arm's kind (its optimizer; reference, null or
+Placer measures on the GPU while an arm runs alone there (observe). An arm's kind (its optimizer; harness-run or
 candidate) counts as measured once an arm of that kind has ended (its whole run's peak: a record read earlier may
 yet grow), and its measure follows its arms' records as they grow. Until then
 one arm of the kind runs at a time, sized by the largest need known (or by a record of an earlier run: ab/share.py
@@ -63,9 +63,13 @@ def per_gpu(recipe, device: str = "cuda") -> int:
 
 
 def kind(job) -> tuple:
-    """(optimizer, reference | null | candidate): arms of one kind need the same memory."""
+    """(optimizer, harness | candidate): arms of one kind need the same memory. The reference and the nulls are one
+    kind: the same model, optimizer and step, only the embedding slot's harness-written kernel differs (at 4096 x
+    65,536 under AdamW the reference's and the four nulls' records were 28.3-30.3 GiB, one H100,
+    2026-11-27), so the nulls start together once the reference has ended, not one after another as they did (a
+    soak's shared arms serialised: 247-383 s of an 8-submission soak)."""
     spec = job.spec
-    return spec.optimizer, "candidate" if spec.runs_candidate else spec.name.split("-")[0]
+    return spec.optimizer, "candidate" if spec.runs_candidate else "harness"
 
 
 def _measured(job) -> bool:
