@@ -448,3 +448,33 @@ def test_embed_bf16_accum_stays_bad_on_cuda_in_deterministic_mode():
     ref = fused_embed_rmsnorm.reference(*inputs, vocab_size=8)[0]
     ref_err = ((ref.double() - orc).norm() / orc.norm()).item()
     assert min(errs) > 4 * ref_err, (errs, ref_err)
+
+
+def test_a_solutions_sources_are_never_seen_half_written(tmp_path):
+    """The arms of one A/B load the same solution at once, into one folder: a reader must only ever see a whole
+    file (a truncated kernel.py was imported as a module without `run`, failing a correct kernel's arm)."""
+    import threading
+
+    from divergence.candidates.loader import _materialise
+
+    target = tmp_path / "kernel.py"
+    versions = ["# a\n" + "x = 1\n" * 40_000, "# b\n" + "y = 2\n" * 40_000]
+    _materialise(target, versions[0])
+    seen, stop = set(), threading.Event()
+
+    def read():
+        while not stop.is_set():
+            seen.add(len(target.read_text()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(300):
+            _materialise(target, versions[i % 2])
+    finally:
+        stop.set()
+        reader.join()
+    assert seen <= {len(v) for v in versions}, sorted(seen)[:5]
+    inode = target.stat().st_ino
+    _materialise(target, versions[1])  # already there: left as it is
+    assert target.stat().st_ino == inode and target.read_text() == versions[1]

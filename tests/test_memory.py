@@ -317,6 +317,17 @@ def test_the_nulls_start_together_once_the_reference_has_ended(tmp_path, monkeyp
     assert at_once(tmp_path) == 3
 
 
+def test_arms_sized_by_a_guess_never_share_a_gpu(tmp_path, monkeypatch):
+    """Once the SGD reference has ended, the AdamW and Adafactor references are sized by its record, a guess (their
+    optimizers keep more state): one of them at a time beside the measured arms, not both at once."""
+    recipe = setup(tmp_path, monkeypatch, 20 * GiB, run_s=0.6)
+    jobs = [runner.Job(f"{o}/reference", tmp_path / f"{o}-reference", ArmSpec("reference", o))
+            for o in ("sgd", "adamw", "adafactor")]
+    res = runner.run_jobs(recipe, jobs, None, "cpu", 6, placer=gpus(tmp_path, 6))
+    assert {st["status"] for st in res.values()} == {"OK"}
+    assert at_once(tmp_path) == 1
+
+
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     """A probe on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed before: 45 GiB
     learned from an earlier probe's record (its last growth read after it ended), 10 GiB held by the one running

@@ -9,8 +9,8 @@ Placer measures on the GPU while an arm runs alone there (observe). An arm's kin
 candidate) counts as measured once an arm of that kind has ended (its whole run's peak: a record read earlier may
 yet grow), and its measure follows its arms' records as they grow. Until then
 one arm of the kind runs at a time, sized by the largest need known (or by a record of an earlier run: ab/share.py
-hands the arms cache's records on as Job.memory_record); where nothing at all is known, an arm waits until none of
-this run's arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to
+hands the arms cache's records on as Job.memory_record), and no two arms so sized share a GPU at once; where nothing at
+all is known, an arm waits until none of this run's arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to
 take (their need less what they hold now) and a margin fit in the GPU's free memory as the driver reports it now,
 every process's use counted.
 
@@ -237,6 +237,12 @@ class Placer:
             if lock.state is None and not lock.try_share():
                 continue  # another process has it alone, or waits to
             if lock.state != "shared" or (live and lock.contended()):
+                continue
+            if k not in self.measured and any(kind(j) not in self.measured for j, _ in live.values()):
+                # One arm sized by a guess per GPU at a time: an A/B's AdamW and Adafactor references and its
+                # candidates, all sized by the SGD reference's record, started together with the probe and three
+                # ran out of memory (4096 x 65,536, one H100, 2026-11-27); each then trained alone, serialising the
+                # rest of the run.
                 continue
             if not live and (need is None or not self.probes[i]):
                 # Nothing of this run there: it goes, whatever others hold (were it to run out of memory, it

@@ -41,7 +41,7 @@ import torch
 
 from .. import sandbox
 from ..errors import CandidateError
-from ..files import JSONFileError, read_json_object
+from ..files import JSONFileError, read_json_object, write_atomic
 from ..slots.contract import Contract
 from ..slots.registry import Impl, check_outputs, sha256_of
 from . import globalstate
@@ -220,8 +220,7 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
     sha = sha256_of([path])
     root = Path(tempfile.gettempdir()) / "divergence-candidates" / sha[:16]
     for rel, content in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(content)
+        _materialise(root / rel, content)
     if language in ("cuda", "cpp"):
         # SOL-ExecBench compiles every C++/CUDA source into one torch extension and looks the symbol up there.
         cu = [root / rel for rel in files if rel.endswith(CUDA_SUFFIXES)]
@@ -235,6 +234,19 @@ def _load_solution_json(contract: Contract, path: Path) -> Impl:
                              f"({', '.join(files)})")
     return _load_python_file(contract, root / entry_file, name=name, convention=convention, symbol=symbol,
                              where=f"{path} ({entry_file})", hashed=[path], meta=meta, origin=str(path))
+
+
+def _materialise(target: Path, content: str) -> None:
+    """A solution's source written where its loader reads it, atomically and only where it is missing or differs:
+    the arms of one A/B load the same solution at once (one folder per solution), and a plain write truncated the
+    file another arm was importing ("defines no function `run`": a CRASH of a correct kernel, one H100, 2026-11-27)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if target.read_text() == content:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    write_atomic(target, content)
 
 
 def _load_sandboxed(contract: Contract, kind: str, where: str, *, name: str, origin: str, sha: Optional[str],
