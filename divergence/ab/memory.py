@@ -65,9 +65,9 @@ def per_gpu(recipe, device: str = "cuda") -> int:
 def kind(job) -> tuple:
     """(optimizer, harness | candidate): arms of one kind need the same memory. The reference and the nulls are one
     kind: the same model, optimizer and step, only the embedding slot's harness-written kernel differs (at 4096 x
-    65,536 under AdamW the reference's and the four nulls' records were 28.3-30.3 GiB, one H100,
-    2026-11-27), so the nulls start together once the reference has ended, not one after another as they did (a
-    soak's shared arms serialised: 247-383 s of an 8-submission soak)."""
+    65,536 their records were 17.1-19.1 GiB under SGD and 22.9-24.9 under AdamW, one H100, 2026-11-27), so the
+    nulls start together once the reference has ended, not one after another as they did (a soak's shared arms
+    serialised: 247-383 s of an 8-submission soak)."""
     spec = job.spec
     return spec.optimizer, "candidate" if spec.runs_candidate else "harness"
 
