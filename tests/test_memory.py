@@ -328,6 +328,23 @@ def test_arms_sized_by_a_guess_never_share_a_gpu(tmp_path, monkeypatch):
     assert at_once(tmp_path) == 1
 
 
+def test_an_arm_held_back_by_a_guess_lets_measured_arms_by(tmp_path, monkeypatch):
+    """The AdamW reference runs as a guess; the Adafactor reference, next in the queue, may not join it, but the
+    SGD nulls behind it (their kind measured by the SGD reference) start beside it instead of waiting for it."""
+    recipe = setup(tmp_path, monkeypatch, 20 * GiB, run_s=0.8)
+
+    def job(opt, name):
+        return runner.Job(f"{opt}/{name}", tmp_path / f"{opt}-{name}", ArmSpec(name, opt))
+
+    jobs = [job("sgd", "reference"), job("adamw", "reference"), job("adafactor", "reference"),
+            job("sgd", "null-1"), job("sgd", "null-2")]
+    res = runner.run_jobs(recipe, jobs, None, "cpu", 6, placer=gpus(tmp_path, 6))
+    assert {st["status"] for st in res.values()} == {"OK"}
+    ev = {e["arm"]: e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())}
+    assert ev["sgd-null-1"]["start"] < ev["adamw-reference"]["end"]
+    assert ev["adafactor-reference"]["start"] >= ev["adamw-reference"]["end"]  # never two guesses at once
+
+
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     """A probe on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed before: 45 GiB
     learned from an earlier probe's record (its last growth read after it ended), 10 GiB held by the one running

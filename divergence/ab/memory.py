@@ -220,8 +220,8 @@ class Placer:
 
     def decide(self, job) -> tuple:
         """(GO, GPU index) to start `job` now; (SKIP, None): not now, later jobs may go (its kind's first arm is
-        being measured); (WAIT, None): not now, nor anything behind it; (GIVE_UP, why): an arm to run alone that
-        could not have its GPU to itself in time."""
+        being measured, or another arm sized by a guess holds the GPU); (WAIT, None): not now, nor anything behind
+        it; (GIVE_UP, why): an arm to run alone that could not have its GPU to itself in time."""
         self._refresh()
         if job.alone:
             return self._alone(job)
@@ -230,6 +230,7 @@ class Placer:
             return SKIP, None
         need = self.need(job)
         claimed = {i for i, _ in self.claims.values()}
+        guessed = False  # held back only by another guess on its GPU
         for i in sorted(range(len(self.gpus)), key=lambda i: len(self.live[i])):  # least busy first
             live, lock = self.live[i], self.locks[i]
             if i in claimed or len(live) >= self.cap:
@@ -243,6 +244,7 @@ class Placer:
                 # candidates, all sized by the SGD reference's record, started together with the probe and three
                 # ran out of memory (4096 x 65,536, one H100, 2026-11-27); each then trained alone, serialising the
                 # rest of the run.
+                guessed = True
                 continue
             if not live and (need is None or not self.probes[i]):
                 # Nothing of this run there: it goes, whatever others hold (were it to run out of memory, it
@@ -255,7 +257,10 @@ class Placer:
             coming = sum(self._yet_to_take(j) for j, _ in live.values()) + self._probes_yet_to_take(i)
             if need + coming + MARGIN * total <= free:
                 return GO, i
-        return WAIT, None
+        # Held back by another guess, it lets the arms behind it by (measured ones fill the GPU meanwhile): as a
+        # wait it held the rest of the queue until the guess ended, so an A/B's SGD nulls, measured, sat behind its
+        # Adafactor reference (4096 x 65,536, one H100, 2026-11-27).
+        return (SKIP if guessed else WAIT), None
 
     def _alone(self, job) -> tuple:
         """The GPU for an arm that must run alone: claimed (no other arm of this run starts there), let go by this

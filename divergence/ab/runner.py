@@ -305,7 +305,7 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
 def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer, retire):
     """Start queued jobs while there is room: in queue order, each on the GPU the placer gives it, if any; a job
     that must wait for memory holds back the jobs behind it (the queue's order is kept), one whose kind is being
-    measured lets them by."""
+    measured, or held back by another arm sized by a guess, lets them by."""
     for job in list(queue):
         if len(running) >= room:
             return
