@@ -1,9 +1,10 @@
 """`python benchmarks/arm_memory.py`: where one arm's GPU memory goes, step by step.
 
-Why: at 4096 x 65,536 (`h200-shapes`) a reference or null arm's allocator reserved 33.4-39.1 GiB for an allocated peak
-of 18.7 GiB (one H100, 2026-11-27), so two arms fit an 80 GB card where the allocated figure would fit four; handing
-the allocator's cache back before the step graph's capture and capturing the evaluation into the step graph's pool
-did not lower it (34.5 GiB). This finds the step where the reserved memory grows and by how much.
+Why: at 4096 x 65,536 (`h200-shapes`) a reference arm's allocator reserved 32.8 GiB at its peak for 18.5 GiB
+allocated (one H100, 2026-11-27): by this script's pool summary, the evaluation graph's pool held 7.0 GiB, the step
+graph's 5.65 and the step graph's side-stream warm-up 3.1 GiB more that nothing else reused. What was changed after
+(train/stepgraph.py SharedPool, train/module.py release_for_capture and eval_rows) is in
+docs/production-shapes.md.
 
 Runs one harness arm in this process (the reference kernels, or `--arm null-1`) with a Lightning callback that reads
 the CUDA allocator after every step: allocated and reserved now, and the peaks of both within the step (the peak
@@ -14,7 +15,7 @@ also records the allocator's history and dumps it at the end (open it in https:/
 
     python benchmarks/arm_memory.py [--recipe h200-shapes] [--shape hidden=4096,vocab=65536] [--optimizer adamw]
                                      [--steps 60] [--arm reference|null-1] [--set KEY=VALUE] [--out trace.json]
-                                     [--snapshot snapshot.pickle]
+                                     [--snapshot snapshot.pickle] [--cap-gib G] [--keep-cache]
 
 Needs a CUDA GPU (one line and exit 2 without).
 """
@@ -95,8 +96,8 @@ def main(argv=None) -> int:
                     help="cap this process's CUDA allocator at this many GiB (torch's per-process memory fraction): "
                          "whether the arm trains within it, its cache handed back whenever it reaches the cap")
     ap.add_argument("--keep-cache", action="store_true",
-                    help="do not hand the gradients and the allocator's cache back before the step graph's capture "
-                         "(what arms did before they did; to compare)")
+                    help="do not hand the gradients and the allocator's cache back before the step graph's warm-up "
+                         "and capture (torch's own emptying of the cache when a capture begins stays), to compare")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("arm_memory: needs a CUDA GPU (this measures the CUDA allocator)", file=sys.stderr)

@@ -345,6 +345,22 @@ def test_an_arm_held_back_by_a_guess_lets_measured_arms_by(tmp_path, monkeypatch
     assert ev["adafactor-reference"]["start"] >= ev["adamw-reference"]["end"]  # never two guesses at once
 
 
+def test_candidate_arms_are_sized_from_their_optimizers_reference_and_start_together(tmp_path, monkeypatch):
+    """Once the reference has ended, a candidate arm's need is derived from it (CANDIDATE_OVER_HARNESS and one
+    process more): not a guess, so two candidates of one optimizer start together instead of one after another."""
+    recipe = setup(tmp_path, monkeypatch, 20 * GiB, run_s=0.8)
+    jobs = [runner.Job("sgd/reference", tmp_path / "reference", ArmSpec("reference", "sgd"))]
+    jobs += [runner.Job(f"sgd/candidate-{c}", tmp_path / f"candidate-{c}", ArmSpec("candidate", "sgd"))
+             for c in "ab"]
+    placer = gpus(tmp_path, 6)
+    res = runner.run_jobs(recipe, jobs, None, "cpu", 6, placer=placer)
+    assert {st["status"] for st in res.values()} == {"OK"}
+    ev = {e["arm"]: e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())}
+    assert all(ev[f"candidate-{c}"]["start"] >= ev["reference"]["end"] for c in "ab")
+    assert at_once(tmp_path) == 2
+    assert placer._derived(jobs[1]) == int(20 * GiB * memory.CANDIDATE_OVER_HARNESS) + 2 * placer.context
+
+
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
     """A probe on the GPU (its sweep beside a soak's arms) may grow to what a probe has needed before: 45 GiB
     learned from an earlier probe's record (its last growth read after it ended), 10 GiB held by the one running

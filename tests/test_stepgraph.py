@@ -261,16 +261,40 @@ def test_a_capture_that_syncs_is_given_up_with_its_own_reason_and_the_callers_st
 
 
 def test_an_evaluation_in_pieces_is_the_whole_batchs_loss_to_float_rounding():
-    """What a captured evaluation computes (eval_rows sequences at a time) against the whole batch at once."""
-    from divergence.train.module import ArmModule, eval_rows
+    """The head and the loss of an evaluation, eval_rows sequences at a time (every arm alike), against the whole
+    batch at once; the rest of the model sees the whole batch either way."""
+    from divergence.model import build_model
+    from divergence.model import transformer
+    from divergence.train.module import eval_rows
 
     assert eval_rows(256, 65536) == 8 and eval_rows(64, 512) >= 32  # h200-shapes: 4 pieces; tiny: one
     r = load_recipe("tiny")
-    m = ArmModule(r, "sgd", build_kernels({}, {"vocab_size": 512}), 512, sink=None)
+    model = build_model(r.model, 512, build_kernels({}, {"vocab_size": 512}), 0).eval()
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 512, (8, 64), generator=g), torch.randint(0, 512, (8, 64), generator=g))
-               for _ in range(2)]
-    whole = m.evaluate(batches)
-    assert torch.equal(m.evaluate(batches, rows=8), whole)  # one piece: the same computation
-    pieces = m.evaluate(batches, rows=3)  # 3 + 3 + 2 rows, weighted by rows
+    x, y = torch.randint(0, 512, (8, 64), generator=g), torch.randint(0, 512, (8, 64), generator=g)
+    seen = []
+    real = transformer.call_forward_slot
+
+    def spy(kernels, slot, *args, **kwargs):
+        seen.append((slot, args[0].shape[0]))
+        return real(kernels, slot, *args, **kwargs)
+
+    seen_by_norm = []
+    norm = model.final_norm.after_add
+
+    def norm_spy(x, delta):
+        seen_by_norm.append(x.shape[0])
+        return norm(x, delta)
+
+    with torch.no_grad():
+        whole = model(x, y)
+        assert torch.equal(model(x, y, loss_rows=8), whole)  # one piece: the same computation
+        transformer.call_forward_slot, model.final_norm.after_add = spy, norm_spy
+        try:
+            pieces = model(x, y, loss_rows=3)  # 3 + 3 + 2 rows, weighted by rows
+        finally:
+            transformer.call_forward_slot = real
+            del model.final_norm.after_add
     assert pieces.dtype == torch.float64 and abs(pieces.item() - whole.item()) < 1e-6 * whole.item()
+    assert [n for slot, n in seen if slot == "cross_entropy"] == [3 * 64, 3 * 64, 2 * 64]
+    assert seen_by_norm == [8]  # the blocks and the final norm: the whole batch, once

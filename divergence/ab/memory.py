@@ -7,11 +7,13 @@ reserved (its own and its kernel servers') to MEMORY_FILE in its folder as it gr
 processes adds what it holds outside its allocator (its CUDA context, cuBLAS workspaces, loaded kernels), which the
 Placer measures on the GPU while an arm runs alone there (observe). An arm's kind (its optimizer; harness-run or
 candidate) counts as measured once an arm of that kind has ended (its whole run's peak: a record read earlier may
-yet grow), and its measure follows its arms' records as they grow. Until then
-one arm of the kind runs at a time, sized by the largest need known (or by a record of an earlier run: ab/share.py
-hands the arms cache's records on as Job.memory_record), and no two arms so sized share a GPU at once; where nothing at
-all is known, an arm waits until none of this run's arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to
-take (their need less what they hold now) and a margin fit in the GPU's free memory as the driver reports it now,
+yet grow), and its measure follows its arms' records as they grow. Until then a candidate arm is sized from its
+optimizer's measured reference and nulls (CANDIDATE_OVER_HARNESS, its kernel server one process more); any other
+arm is sized by a guess, the largest need known (or a record of an earlier run: ab/share.py hands the arms cache's
+records on as Job.memory_record), one arm of its kind at a time and never beside another guess on its GPU (held
+back by one, it lets the arms behind it by); where nothing at all is known, an arm waits until none of this run's
+arms is on its GPU. Another arm starts on a GPU when its need, what the arms already there have yet to take (their
+need less what they hold now) and a margin fit in the GPU's free memory as the driver reports it now,
 every process's use counted.
 
 Seen with a fixed `ab.workers: 3` (one H100 80 GiB, `h200-shapes` at 4096 x 65,536): every cell ERROR, one null arm
@@ -44,6 +46,11 @@ from ..gpu import CONTEXT_BYTES, MEMORY_FILE, record, watch_arm  # noqa: F401 (t
 AUTO_PER_GPU = 6
 AUTO_CPU_MAX = 4  # CPU arms at once under `auto`: one per train.threads cores, at most this many
 MARGIN = 0.05  # of the GPU's memory, kept free beyond every arm's need: 4 GiB of an 80 GiB card
+# A candidate arm's allocator record against its optimizer's reference and nulls', before one has ended: the
+# candidate arm holds the same model and optimizer, and its kernel server the candidate's own memory and the
+# staging copies. At 4096 x 65,536 (one H100, 2026-11-27) 1.14-1.20x (SGD 20.6 against 17.1 GiB, AdamW 26.1 against
+# 22.9, Adafactor 20.6 against 17.4); the server's CUDA context is counted apart (one process more).
+CANDIDATE_OVER_HARNESS = 1.25
 OBSERVE_S = 0.5  # how often the Placer reads a GPU's free memory while one arm runs alone there
 # How long an arm's record must stay the same before the GPU's use is read against it: its watch writes a growth a
 # second late (gpu.SAMPLE_S), and a read while it grows would count the growth as overhead.
@@ -183,11 +190,28 @@ class Placer:
             if rec is not None and self._bytes(rec) > self._bytes(self.probe_peak):
                 self.probe_peak = rec
 
+    def _derived(self, job) -> Optional[int]:
+        """A candidate arm's need from its optimizer's measured reference and nulls (CANDIDATE_OVER_HARNESS, one
+        process more), before any candidate arm of that optimizer has ended; None where they are not measured."""
+        opt, role = kind(job)
+        if role != "candidate" or (opt, "harness") not in self.measured:
+            return None
+        peak, procs = self.measured[(opt, "harness")]
+        return self._bytes((int(peak * CANDIDATE_OVER_HARNESS), procs + 1))
+
+    def _guess(self, job) -> bool:
+        """Whether `job` would be sized by a guess: its kind neither measured nor derived from a measured one."""
+        return kind(job) not in self.measured and self._derived(job) is None
+
     def need(self, job) -> Optional[int]:
-        """Bytes `job` needs: its kind's measure, else the largest need known (its record of an earlier run among
-        them; one process more for a candidate's arm, its kernel server); None where nothing is known."""
+        """Bytes `job` needs: its kind's measure, else a candidate's derived from its optimizer's harness arms,
+        else the largest need known (its record of an earlier run among them; one process more for a candidate's
+        arm, its kernel server); None where nothing is known."""
         if kind(job) in self.measured:
             return self._bytes(self.measured[kind(job)])
+        derived = self._derived(job)
+        if derived is not None:
+            return derived
         known = list(self.measured.values()) + ([job.memory_record] if getattr(job, "memory_record", None) else [])
         if not known:
             return None
@@ -226,11 +250,12 @@ class Placer:
         if job.alone:
             return self._alone(job)
         k = kind(job)
-        if k not in self.measured and any(kind(j) == k for live in self.live for j, _ in live.values()):
+        guess = self._guess(job)
+        if guess and any(kind(j) == k for live in self.live for j, _ in live.values()):
             return SKIP, None
         need = self.need(job)
         claimed = {i for i, _ in self.claims.values()}
-        guessed = False  # held back only by another guess on its GPU
+        guessed, short = False, False  # held back by another guess on a GPU; by too little memory on one
         for i in sorted(range(len(self.gpus)), key=lambda i: len(self.live[i])):  # least busy first
             live, lock = self.live[i], self.locks[i]
             if i in claimed or len(live) >= self.cap:
@@ -239,7 +264,7 @@ class Placer:
                 continue  # another process has it alone, or waits to
             if lock.state != "shared" or (live and lock.contended()):
                 continue
-            if k not in self.measured and any(kind(j) not in self.measured for j, _ in live.values()):
+            if guess and any(self._guess(j) for j, _ in live.values()):
                 # One arm sized by a guess per GPU at a time: an A/B's AdamW and Adafactor references and its
                 # candidates, all sized by the SGD reference's record, started together with the probe and three
                 # ran out of memory (4096 x 65,536, one H100, 2026-11-27); each then trained alone, serialising the
@@ -251,16 +276,18 @@ class Placer:
                 # trains again alone: waiting for room others may never give up could wait for ever). Beside a
                 # probe it waits for room where its need is known: the probe ends.
                 return GO, i
+            short = True
             if need is None:
                 continue
             free, total = self.query(i)
             coming = sum(self._yet_to_take(j) for j, _ in live.values()) + self._probes_yet_to_take(i)
             if need + coming + MARGIN * total <= free:
                 return GO, i
-        # Held back by another guess, it lets the arms behind it by (measured ones fill the GPU meanwhile): as a
-        # wait it held the rest of the queue until the guess ended, so an A/B's SGD nulls, measured, sat behind its
-        # Adafactor reference (4096 x 65,536, one H100, 2026-11-27).
-        return (SKIP if guessed else WAIT), None
+        # Held back by another guess alone, it lets the arms behind it by (measured ones fill the GPU meanwhile):
+        # as a wait it held the rest of the queue until the guess ended, so an A/B's SGD nulls, measured, sat behind
+        # its Adafactor reference (4096 x 65,536, one H100, 2026-11-27). Short of memory on some GPU, it waits
+        # there first, in queue order.
+        return (SKIP if guessed and not short else WAIT), None
 
     def _alone(self, job) -> tuple:
         """The GPU for an arm that must run alone: claimed (no other arm of this run starts there), let go by this

@@ -241,12 +241,13 @@ def _materialise(target: Path, content: str) -> None:
     the arms of one A/B load the same solution at once (one folder per solution), and a plain write truncated the
     file another arm was importing ("defines no function `run`": a CRASH of a correct kernel, one H100, 2026-11-27)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    data = content.encode()
     try:
-        if target.read_text() == content:
+        if target.read_bytes() == data:
             return
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         pass
-    write_atomic(target, content)
+    write_atomic(target, data)
 
 
 def _load_sandboxed(contract: Contract, kind: str, where: str, *, name: str, origin: str, sha: Optional[str],

@@ -180,12 +180,15 @@ class Transformer(nn.Module):
         self.body = torch.compile(self._body, dynamic=False, **compile_options(spec, cudagraphs))
         self.compiled_embed = CompiledEmbed(compile_options(spec, cudagraphs=False), self.vocab_size)
 
-    def forward(self, ids, targets=None):
-        """(B, S, V) logits, or with `targets` the mean cross-entropy loss alone."""
+    def forward(self, ids, targets=None, loss_rows=None):
+        """(B, S, V) logits, or with `targets` the mean cross-entropy loss alone. `loss_rows` (an evaluation's, no
+        gradients): the head and the loss computed for that many sequences at a time (loss_in_pieces)."""
         B, S = ids.shape
         x = EmbedRMSNorm.apply(self.embed, self.embed_norm, ids, self.cfg.norm_eps, self.kernels,
                                self.compiled_embed)  # (B, S, D)
         position_ids = torch.arange(S, device=ids.device).expand(B, S)
+        if loss_rows is not None and targets is not None and loss_rows < B:
+            return self._body(x, position_ids, targets, self._rope_tables(position_ids), loss_rows)
         return self.body(x, position_ids, targets, self._rope_tables(position_ids))
 
     def _rope_tables(self, position_ids):
@@ -204,15 +207,18 @@ class Transformer(nn.Module):
             self._rope_cache[key] = rope.tables(position_ids, self.inv_freq)
         return self._rope_cache[key]
 
-    def _body(self, x, position_ids, targets, tables=None):
+    def _body(self, x, position_ids, targets, tables=None, loss_rows=None):
         delta = None
         for block in self.blocks:
             x, delta = block(x, delta, position_ids, self.inv_freq, tables)
-        return self._tail(x, delta, targets)
+        normed = self.final_norm.after_add(x, delta)[1]
+        if loss_rows is not None:
+            return self.loss_in_pieces(normed, targets, loss_rows)
+        return self._tail(normed, targets)
 
-    def _tail(self, x, delta, targets):
-        B, S, _ = x.shape
-        logits = self.head(self.final_norm.after_add(x, delta)[1])  # (B, S, V)
+    def _tail(self, normed, targets):
+        B, S, _ = normed.shape
+        logits = self.head(normed)  # (B, S, V)
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
             logits = c * torch.tanh(logits / c)
@@ -221,6 +227,17 @@ class Transformer(nn.Module):
         # The loss alone: returned as well, the (B, S, V) logits were a compiled graph's output, written out and
         # kept alive in the CUDA-graph pool every step (512 MiB at the h200 recipe) for no reader.
         return call_forward_slot(self.kernels, "cross_entropy", logits.reshape(B * S, -1), targets.reshape(-1))
+
+    def loss_in_pieces(self, normed, targets, rows: int):
+        """The mean loss of the final norm's output, the head and the loss taken `rows` sequences at a time, each
+        piece's mean weighted by its rows, in float64: an evaluation's logits are its largest tensors (fp32 at 32 x
+        256 tokens x 65,536 rows: 2 GiB, and a captured evaluation keeps its peak for the arm's life). Every arm
+        evaluates so, the candidate's too: every slot but `cross_entropy` sees the whole batch as in training."""
+        B = normed.shape[0]
+        total = torch.zeros((), dtype=torch.float64, device=normed.device)
+        for i in range(0, B, rows):
+            total += self._tail(normed[i:i + rows], targets[i:i + rows]).double() * (min(rows, B - i) / B)
+        return total
 
 
 CUDAGRAPHS = "+cudagraphs"  # `inductor+cudagraphs`: the backend, with its graphs replayed as CUDA graphs

@@ -3,7 +3,6 @@ them (gradient norms before the step, update ratios after it) and nothing is cli
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -140,27 +139,20 @@ class ArmModule(pl.LightningModule):
                                  eval_x.to(self.device))
         assert batches is self._eval_inputs[0] and eval_x is self._eval_inputs[1], "the graph holds the first inputs"
         batches, eval_x = self._eval_inputs[2:]
-        rows = eval_rows(batches[0][0].shape[1], self.model.vocab_size) if batches else None
-        return self.eval_graph(lambda: (self.evaluate(batches, rows), self.eval_logprobs(eval_x)))
+        return self.eval_graph(lambda: (self.evaluate(batches), self.eval_logprobs(eval_x)))
 
     # Evaluations run eagerly under `train.compile`: no-grad passes and the one-sequence log-prob batch would each
     # compile their own graphs, for 5 forward passes every `val_every` steps.
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")
-    def evaluate(self, batches, rows: Optional[int] = None) -> torch.Tensor:
+    def evaluate(self, batches) -> torch.Tensor:
         """Mean validation loss, a float64 scalar left on the device (the recorder reads it at its next flush).
-        `rows`: forward at most that many sequences at a time (eval_rows), each batch's loss the row-weighted mean
-        of its pieces'."""
+        The head and the loss run eval_rows sequences at a time (model.loss_in_pieces), in every arm alike."""
         with self._eval_mode():
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for x, y in batches:
-                x, y = x.to(self.device), y.to(self.device)
-                n = x.shape[0]
-                if rows is None or rows >= n:
-                    total += self.model(x, y).double()
-                    continue
-                for i in range(0, n, rows):
-                    total += self.model(x[i:i + rows], y[i:i + rows]).double() * (min(rows, n - i) / n)
+                rows = eval_rows(x.shape[1], self.model.vocab_size)
+                total += self.model(x.to(self.device), y.to(self.device), loss_rows=rows).double()
         return total / max(1, len(batches))
 
     @torch.no_grad()
@@ -271,18 +263,17 @@ def hook_state(module, optimizer) -> dict:
     return out
 
 
-# The most fp32 logits one piece of a captured evaluation holds (eval_rows). A captured evaluation keeps its peak
-# in the graph's pool for the arm's whole life: at 4096 x 65,536 (32 sequences of 256 a batch) that pool held 7.0 GiB,
+# The most fp32 logits one piece of an evaluation holds (eval_rows). A captured evaluation keeps its peak in the
+# graph's pool for the arm's whole life: at 4096 x 65,536 (32 sequences of 256 a batch) that pool held 7.0 GiB,
 # beside the step graph's 5.65 (one H100, 2026-11-27, benchmarks/arm_memory.py).
 EVAL_LOGITS_BYTES = 2**29
 
 
 def eval_rows(seq_len: int, vocab: int) -> int:
-    """Sequences a captured evaluation forwards at a time: as many as keep their fp32 logits within
-    EVAL_LOGITS_BYTES (8 of 256 tokens at vocabulary 65,536). Only arms that run no candidate code evaluate in pieces
-    (those with an evaluation graph): a candidate's slot sees the batch shapes the recipe declares. The pieces change
-    the evaluation's loss by float rounding alone (tests/test_stepgraph.py), far below any envelope, and every
-    harness arm pieces alike."""
+    """Sequences an evaluation takes through the head and the loss at a time: as many as keep their fp32 logits
+    within EVAL_LOGITS_BYTES (8 of 256 tokens at vocabulary 65,536; a whole batch at the CPU recipes'). Every arm
+    evaluates alike, so no arm's loss differs from another's by the pieces (a GEMM of other rows may round
+    otherwise)."""
     return max(1, EVAL_LOGITS_BYTES // (4 * seq_len * vocab))
 
 

@@ -124,12 +124,13 @@ class StepGraph:
 
 
 class SharedPool:
-    """One memory pool for graphs that never replay at once and keep nothing in their temporaries from one replay to
-    the next: an arm's evaluation graph and its step graph. Captured into one pool, the later capture reuses the
-    earlier one's freed temporaries; the blocks each graph keeps (its outputs, the step's gradients) stay its own.
-    A replay of one may overwrite what the other left in its temporaries, which is why only graphs whose outputs
-    are copied out at once (StepGraph returns fresh copies) and whose kept state is rewritten on every replay before
-    it is read (the gradients: written by the step's backward, read by the optimizer right after) may share.
+    """One memory pool for an arm's evaluation graph and its step graph, which never replay at once. Captured into
+    one pool, the later capture (the step's, at step 3; the evaluation's is at step 0) takes blocks the earlier one
+    freed, its outputs and the gradients its backward allocates among them, so a replay of either may overwrite
+    what the other keeps. What makes that safe, and must stay so: every graph's outputs are copied out right after
+    its replay (StepGraph returns fresh copies), and nothing reads the gradients but the optimizer, right after the
+    step's replay has written them all (an evaluation replays before a step's forward, and its replay overwrites
+    them): a reader of `.grad` in the recorder or at an evaluation would read the evaluation's activations.
     The graphs also warm up and capture on one stream: the allocator keeps a freed block for the stream it was
     used on, so two graphs of one pool captured on two streams still kept two sets of blocks. At 4096 x 65,536
     under AdamW (one H100, 2026-11-27, benchmarks/arm_memory.py) the evaluation's blocks were 7.0 GiB and the
