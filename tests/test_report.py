@@ -119,7 +119,7 @@ def test_report_of_a_run_whose_lockstep_median_is_infinite(results, tmp_path, ca
     write_json(folder / "verdict.json", v)
     assert '"median_ratio": "inf"' in (folder / "verdict.json").read_text()
     assert main(["report", str(folder)]) == 0, capsys.readouterr().err
-    assert "median error infx" in (folder / "report.html").read_text()
+    assert "median error not finite, the reference&#39;s finite" in (folder / "report.html").read_text()
 
 
 def test_report_of_a_folder_that_is_not_a_results_folder(tmp_path, capsys):

@@ -256,8 +256,8 @@ def test_a_lockstep_record_with_an_infinite_median_is_judged_and_reported_after_
     back = arm_status(tmp_path)
     assert back["lockstep"]["record"]["median_ratio"] == math.inf
     sig = V.lockstep_signal({"sgd": _pass(back["lockstep"])})
-    assert sig["verdict"] == "FINDING" and "median error infx" in sig["reason"], sig
-    assert "median error infx" in words.lockstep_sentence(back["lockstep"])
+    assert sig["verdict"] == "FINDING" and "median error not finite, the reference's finite" in sig["reason"], sig
+    assert "median error not finite, the reference's finite" in words.lockstep_sentence(back["lockstep"])
 
 
 def test_every_json_file_of_a_run_parses_strictly(tmp_path):

@@ -310,7 +310,10 @@ def lockstep_signal(per_opt: dict, enabled: bool = True) -> dict:
 def _median(rec: dict) -> str:
     m = rec.get("median_ratio")
     lim = f" (limit {rec['limit']:g}x)" if rec.get("limit") is not None else ""
-    return "" if m is None else f", median error {m:.2f}x the reference's{lim}"
+    if m is None:
+        return ""
+    said = f"{m:.2f}x the reference's" if np.isfinite(m) else "not finite, the reference's finite"
+    return f", median error {said}{lim}"
 
 
 def probe_signal(probe, enabled: bool = True, error=None) -> dict:

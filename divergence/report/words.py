@@ -113,8 +113,10 @@ def lockstep_sentence(ls) -> str:
     mut = f"; it writes to its input {ls['mutated_input']}" if ls.get("mutated_input") else ""
     rec = dict(ls.get("record") or {}, checked=n)
     rec.setdefault("over", ls.get("wrong_steps"))  # a record written before it counted them itself
-    med = (f"; median error {rec['median_ratio']:.3g}x the reference's (limit {rec['limit']:g}x)"
-           if rec.get("median_ratio") is not None else "")
+    med, m = "", rec.get("median_ratio")
+    if m is not None:
+        said_m = f"{m:.3g}x the reference's" if math.isfinite(m) else "not finite, the reference's finite"
+        med = f"; median error {said_m} (limit {rec['limit']:g}x)"
     if ls.get("error"):
         mut += f"; stopped: the candidate raised at {ls['error']}"
     limit = f"the per-step limit ({RATIO:g}x the reference's own error plus the rounding floor)"
