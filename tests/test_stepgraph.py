@@ -72,7 +72,7 @@ def test_an_arm_that_ends_in_its_warm_up_says_so():
     assert "warm-up" in g.describe()["step_graph"]
 
 
-def test_what_the_eager_steps_left_is_handed_back_once_right_before_the_capture():
+def test_what_the_eager_steps_left_is_handed_back_before_the_side_stream_warm_up_and_the_capture():
     events = []
 
     def capture(fn, inputs, stream, pool=None):
