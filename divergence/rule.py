@@ -7,6 +7,8 @@ model does not use: slots/problems.py) and the tests import it from here.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 RATIO = 2.0  # allowed multiple of the reference's own error (FlashAttention's tests use about 2x)
@@ -144,3 +146,8 @@ def over_words(rec: dict) -> str:
         return f"{n} checked steps"
     worst = f" (worst: {ws:.3g}x the limit, at step {rec.get('worst_step')})" if ws is not None else ""
     return f"{k or 'none'} of {n} checked steps over the per-step limit{worst}"
+
+
+def median_words(m: float, fmt: str = ".3g") -> str:
+    """A record's median error ratio in words: "2.5x the reference's", or where it is not finite, saying so."""
+    return f"{m:{fmt}}x the reference's" if math.isfinite(m) else "not finite, the reference's finite"

@@ -312,8 +312,9 @@ def _median(rec: dict) -> str:
     lim = f" (limit {rec['limit']:g}x)" if rec.get("limit") is not None else ""
     if m is None:
         return ""
-    said = f"{m:.2f}x the reference's" if np.isfinite(m) else "not finite, the reference's finite"
-    return f", median error {said}{lim}"
+    from ..rule import median_words
+
+    return f", median error {median_words(m, '.2f')}{lim}"
 
 
 def probe_signal(probe, enabled: bool = True, error=None) -> dict:

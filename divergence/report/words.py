@@ -97,7 +97,7 @@ def optimizer_sentence(v: dict, rule: dict) -> str:
 def lockstep_sentence(ls) -> str:
     """The op-level check on the candidate arm's live inputs, in one sentence: how many checked steps were over the
     per-step limit and the worst, whatever the judgement (a pass never reads as "every step within")."""
-    from ..rule import RATIO, over_words
+    from ..rule import RATIO, median_words, over_words
 
     if not ls:
         return "not run"
@@ -115,8 +115,7 @@ def lockstep_sentence(ls) -> str:
     rec.setdefault("over", ls.get("wrong_steps"))  # a record written before it counted them itself
     med, m = "", rec.get("median_ratio")
     if m is not None:
-        said_m = f"{m:.3g}x the reference's" if math.isfinite(m) else "not finite, the reference's finite"
-        med = f"; median error {said_m} (limit {rec['limit']:g}x)"
+        med = f"; median error {median_words(m)} (limit {rec['limit']:g}x)"
     if ls.get("error"):
         mut += f"; stopped: the candidate raised at {ls['error']}"
     limit = f"the per-step limit ({RATIO:g}x the reference's own error plus the rounding floor)"

@@ -32,10 +32,9 @@ class ArmModule(pl.LightningModule):
         # 2026-11-27, benchmarks/arm_memory.py; docs/production-shapes.md).
         self.eval_graph = None
         if step_graph is not None:
-            pool = SharedPool()
             if step_graph.before_capture is None:
                 step_graph.before_capture = self.release_for_capture
-            step_graph.pool = step_graph.pool or pool
+            step_graph.pool = step_graph.pool or SharedPool()
             self.eval_graph = StepGraph(warmup=1, pure=True, unit="evaluation", before_capture=_release_cache,
                                         pool=step_graph.pool)
         self._eval_inputs = None
