@@ -696,7 +696,8 @@ def format_table(res: dict) -> str:
         lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}, {how}): {ls['extra_ms_per_step']:+.2f} "
                      f"ms/step ({100 * ls['overhead']:+.1f}% of the harness step)")
         for slot, t in (ls.get("sandbox") or {}).items():  # the candidate's calls through its kernel server
-            lines.append(f"kernel server ({slot}, {t['calls']} calls): {t['send_ms_per_call']:.2f} ms sending, "
+            lines.append(f"kernel server ({slot}, {t['calls']} calls, {t.get('overlapped', 0)} overlapped): "
+                         f"{t['send_ms_per_call']:.2f} ms sending, "
                          f"{t['wait_ms_per_call']:.2f} ms waiting (the candidate's own {t['run_ms_per_call']:.2f} ms), "
                          f"{t['receive_ms_per_call']:.2f} ms receiving, per call")
     if res.get("soak"):

@@ -518,3 +518,55 @@ def test_expandable_segments_are_kept_out_of_the_servers_allocator(tmp_path, mon
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF")
     assert not client.expandable_here()
+
+
+# ------------------------------------------------------------------------------ overlapped calls, on a GPU
+
+# Writes into its input `up` and returns a buffer it keeps: both must reach us in order under overlapped calls.
+OVERLAP_CANDIDATE = """
+import torch
+_KEPT = []
+
+def run(gate, up):
+    torch.cuda._sleep(1_000_000)  # device time after the call returns: an unordered read sees stale values
+    if not _KEPT:
+        _KEPT.append(torch.empty_like(gate))
+    out = _KEPT[0]
+    torch.mul(gate, up, out=out)
+    up.add_(1)
+    if float(gate.flatten()[0].item()) == 1024.0:
+        raise ValueError("told to fail")
+    return out
+"""
+
+
+@pytest.mark.gpu
+def test_overlapped_calls_give_what_synchronous_calls_give(tmp_path, sandbox_on):
+    """An arm's server orders its calls by CUDA events instead of host syncs (client.KernelServer.overlap). Each
+    call's inputs come out of a long GPU op queued just before (an unordered read in the server sees the last
+    call's), the candidate writes into one input and returns a buffer it keeps (an unordered read here sees it
+    before the write), and a failure in an overlapped call is still the call's, in one line."""
+    from divergence.sandbox.client import SYNC_CALLS
+
+    impl = load_candidate("swiglu", write(tmp_path, "overlaps.py", OVERLAP_CANDIDATE))
+    server = impl.fn.sandbox.server
+    server.overlap = True
+    big = torch.randn(4096, 4096, device="cuda")
+    for i in range(SYNC_CALLS + 5):
+        x = big
+        for _ in range(8):  # ~ms of device work ahead of the staging copies
+            x = (x @ big).clamp_(-1, 1)
+        gate = (x[:64, :128] + i).to(torch.bfloat16).contiguous()
+        up = (x[64:128, :128] * 2 - i).to(torch.bfloat16).contiguous()
+        expected_out, expected_up = gate * up, up + 1
+        out, _, _ = server.call((gate, up), {})
+        assert torch.equal(out, expected_out), f"call {i}: output"
+        assert torch.equal(up, expected_up), f"call {i}: the input it wrote into"
+    assert server.timing.overlapped == 5
+    gate[0, 0] = 1024.0
+    with pytest.raises(ValueError) as e:  # the candidate's exception, rebuilt here
+        server.call((gate, up), {})
+    assert str(e.value) == "told to fail"
+    out, _, _ = server.call((gate * 0, up), {})  # the server goes on
+    assert torch.equal(out, torch.zeros_like(out))
+    server.close()

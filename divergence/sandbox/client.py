@@ -59,6 +59,7 @@ from ..candidates import globalstate
 from ..errors import CandidateError, OutputError
 from . import kernel_server as wire
 
+SYNC_CALLS = 3  # an overlapped server's first calls are synchronous all the same (KernelServer.overlap)
 STAGING_BYTES = 1 << 30  # storages kept mapped/mirrored per server beyond the current call's (identity by address)
 _DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
 _REF = re.compile(rb"/torch_(\d+)_\d+_\d+")  # torch's shared-memory names: /torch_<pid>_<random>_<counter>
@@ -100,14 +101,18 @@ class ServerDied(CandidateError):
 class CallTiming:
     """Where a server's calls spend their time, summed over calls that returned: `send_s` (the inputs packed, staged
     and sent), `wait_s` (from sent to the reply's header: the server's unpacking, the candidate's call, its outputs
-    packed), of it `run_s` (the candidate's call until its device work is done, as the server says), and `receive_s`
-    (the outputs and writes taken back). The arm's arm.json `sandbox` keeps it (train/arm.py)."""
+    packed), of it `run_s` (the candidate's call until its device work is done, as the server says; of an
+    overlapped call, until its launches are: its device work is then not waited for), and `receive_s` (the outputs
+    and writes taken back). `overlapped`: calls whose device work was ordered by events, not host syncs. The arm's
+    arm.json `sandbox` keeps it (train/arm.py)."""
 
     def __init__(self):
         self.calls, self.send_s, self.wait_s, self.receive_s, self.run_s = 0, 0.0, 0.0, 0.0, 0.0
+        self.overlapped = 0
 
-    def add(self, send: float, wait: float, receive: float, run: float) -> None:
+    def add(self, send: float, wait: float, receive: float, run: float, overlapped: bool = False) -> None:
         self.calls += 1
+        self.overlapped += overlapped
         self.send_s += send
         self.wait_s += wait
         self.receive_s += receive
@@ -116,7 +121,7 @@ class CallTiming:
     def summary(self) -> dict:
         n = max(1, self.calls)
         ms = {k: round(1000 * getattr(self, k) / n, 3) for k in ("send_s", "wait_s", "run_s", "receive_s")}
-        return {"calls": self.calls, **{k.replace("_s", "_ms_per_call"): v for k, v in ms.items()}}
+        return {"calls": self.calls, "overlapped": self.overlapped, **{k.replace("_s", "_ms_per_call"): v for k, v in ms.items()}}
 
 
 def gpu_reserved() -> tuple:
@@ -247,6 +252,14 @@ class KernelServer:
         self.on_gpu = False  # whether its replies say it uses a GPU (a CUDA context of its own, whatever it reserved)
         self.timing = CallTiming()
         self._pool = None
+        # Overlapped calls (an arm's; the probe's stay synchronous): the inputs' readiness and the outputs' go as
+        # CUDA events between the two processes' streams instead of a host sync on either side, so the device
+        # works through this process's queue while the call crosses. Off until set, and for the first
+        # SYNC_CALLS calls, whose errors (compilation, autotuning, a first asynchronous fault) are then the call's.
+        self.overlap = False
+        self._ready: dict = {}  # device index -> our interprocess "inputs staged" event
+        self._theirs: dict = {}  # (device, handle) -> the server's "outputs ready" event, opened here once
+        self._held: list = []  # (event, [their storages]): mapped until our copies from them are done
         _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.ctl, self.proc, str(self.scratch))
         preload = _PRELOAD if _TIMED[0] else []
@@ -272,6 +285,7 @@ class KernelServer:
     def close(self):
         if not self.closed:
             self.closed = True
+            self._release_held(wait=True)
             self._finalizer()
 
     def _forked(self):
@@ -375,17 +389,22 @@ class KernelServer:
             if self.cuda is None and any(t.is_cuda for t in tensors):
                 self.cuda = "ipc" if self._ipc_works(next(t for t in tensors if t.is_cuda).device) else "copy"
                 self.platform["cuda_transport"] = self.cuda  # (the server's "cuda" says how it initialised CUDA)
-            groups, storages, descs, bufs, drop = self._pack_inputs(tensors)
+            self._release_held()
+            overlap = (self.overlap and self.cuda == "ipc" and not watch and not echo
+                       and self.timing.calls >= SYNC_CALLS)
+            groups, storages, descs, bufs, drop, ready = self._pack_inputs(tensors, overlap)
             state, state_bufs = _pack_state()
             header = {"op": "call", "args": a, "kwargs": k, "tensors": descs, "storages": storages, "drop": drop,
-                      "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", **state}
+                      "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", "ready": ready, **state}
             self._send(header, bufs + state_bufs)
             t1 = time.perf_counter()
             h = self._recv()
             t2 = time.perf_counter()
             try:
+                if ready is not None and h.get("ok"):
+                    self._wait_done(h["done"])  # (a failed call's server synced before it replied)
                 self._copy_back(h, groups)
-                outs = self._outputs(h, groups) if h.get("ok") else []
+                outs = self._outputs(h, groups, overlap=ready is not None) if h.get("ok") else []
                 ret = wire.unpack(torch, h["ret"], outs, _Opaque.make) if h.get("ok") else None
                 self._take_state(h)
             except (ValueError, KeyError, TypeError, IndexError, RuntimeError, AttributeError) as e:
@@ -398,7 +417,8 @@ class KernelServer:
             if not h.get("ok"):
                 raise _exception(h.get("error") or {}, self.where)
             run = h.get("run_s")
-            self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run if type(run) is float else 0.0)
+            self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run if type(run) is float else 0.0,
+                            ready is not None)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
             return ret, late, notes
@@ -433,7 +453,30 @@ class KernelServer:
                     return torch.empty(n, dtype=torch.uint8, device=device)
             return torch.empty(n, dtype=torch.uint8, device=device)
 
-    def _pack_inputs(self, tensors) -> tuple:
+    def _wait_done(self, done) -> None:
+        """Our streams wait, on the device, for the server's event recorded after an overlapped call."""
+        dev, handle = wire._int(done[0]), str(done[1])
+        ev = self._theirs.get((dev, handle))
+        if ev is None:
+            if len(self._theirs) > 16:
+                raise ValueError("more events than devices")
+            ev = self._theirs[(dev, handle)] = torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(handle))
+        torch.cuda.current_stream(dev).wait_event(ev)
+
+    def _release_held(self, wait: bool = False) -> None:
+        """Lets go of the server's output storages our copies from them have finished with (all: `wait`)."""
+        while self._held and (wait or self._held[0][0].query()):
+            ev, _ = self._held.pop(0)
+            if wait:
+                try:
+                    ev.synchronize()
+                except RuntimeError:  # a broken context: the storages go all the same
+                    pass
+
+    def _pack_inputs(self, tensors, overlap: bool = False) -> tuple:
+        """(groups, storages, descs, buffers, storages to drop, `ready`): `ready` is [device, handle] of the
+        event recorded after the staging copies when `overlap` (the server's stream waits for it), else None
+        and the copies are waited for here."""
         groups, storages, descs, bufs = [], [], [None] * len(tensors), []
         sync = set()
         for st, idx, start, end in wire.group(tensors):
@@ -466,8 +509,17 @@ class KernelServer:
             self.keys.move_to_end(key)
             for i in idx:
                 descs[i] = wire.describe_tensor(tensors[i], len(storages) - 1, start)
-        for dev in sync:  # the staging copies done before the server reads them
-            torch.cuda.current_stream(dev).synchronize()
+        ready = None
+        if overlap and len(sync) == 1:
+            dev = next(iter(sync))
+            ev = self._ready.get(dev.index)
+            if ev is None:
+                ev = self._ready[dev.index] = torch.cuda.Event(interprocess=True)
+            ev.record(torch.cuda.current_stream(dev))
+            ready = [dev.index, ev.ipc_handle().hex()]
+        else:
+            for dev in sync:  # the staging copies done before the server reads them
+                torch.cuda.current_stream(dev).synchronize()
         # Forget the oldest storages beyond this call's and STAGING_BYTES (the server forgets them too)
         now = {json.dumps(s["key"]) for s in storages}
         drop, total = [], sum(self.keys.values())
@@ -478,7 +530,7 @@ class KernelServer:
                 total -= self.keys.pop(key)
                 self.staging.pop(key, None)
                 drop.append(json.loads(key))
-        return groups, storages, descs, bufs, drop
+        return groups, storages, descs, bufs, drop, ready
 
     def _copy_back(self, h: dict, groups: list) -> None:
         """What the candidate wrote into its inputs, written into ours."""
@@ -496,13 +548,14 @@ class KernelServer:
                 host = torch.empty(g["n"], dtype=torch.uint8)
                 self._into(host.numpy(), g["n"])
                 target.copy_(host)
+        # Each mapped input copied back whole, whether or not the candidate wrote into it: a comparison first
+        # (torch.equal) is a host sync per input, 9 a step at the h200 recipe; an unchanged copy rewrites the same
+        # bytes, on our stream, after the server's work (an overlapped call's `done` event, waited for above).
         for g in groups:
             if g["staging"] is not None:
-                target = wire.u8(torch, g["storage"], g["start"], g["n"])
-                if not torch.equal(g["staging"], target):
-                    target.copy_(g["staging"])
+                wire.u8(torch, g["storage"], g["start"], g["n"]).copy_(g["staging"])
 
-    def _outputs(self, h: dict, groups: list) -> list:
+    def _outputs(self, h: dict, groups: list, overlap: bool = False) -> list:
         """The returned tensors, rebuilt here as exact torch.Tensors on storages of ours."""
         stores, opened = [], []
         names = wire.dtypes(torch)
@@ -533,8 +586,13 @@ class KernelServer:
             else:
                 raise ValueError(f"storage sent {d.get('via')!r}")
             stores.append((mine, 0))
-        for dev in {st.device for st in opened}:
-            torch.cuda.current_stream(dev).synchronize()
+        if overlap and opened:  # released at a later call, once an event after our copies has passed
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(opened[0].device))
+            self._held.append((ev, list(opened)))
+        else:
+            for dev in {st.device for st in opened}:
+                torch.cuda.current_stream(dev).synchronize()
         opened.clear()
         out = []
         for d in h.get("out_tensors") or []:

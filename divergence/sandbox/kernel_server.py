@@ -664,6 +664,8 @@ class Server:
         self.next_token = 0
         self.cuda_copy = False
         self.taken = 0
+        self.events = {}  # (device, handle) -> the trusted side's "inputs ready" event, opened here once
+        self.done = {}  # device -> our "outputs ready" event (interprocess), recorded after each overlapped call
 
     def serve(self):
         hello = recv_header(self.conn)
@@ -863,6 +865,7 @@ class Server:
             args = unpack(torch, msg["args"], args_t)
             kwargs = unpack(torch, msg["kwargs"], args_t)
             self.apply_state(msg, want)
+            overlap = self.wait_ready(msg.get("ready"))
         except Exception as e:  # noqa: BLE001 - a request this side cannot read: said, not fatal
             return self.reply({"ok": False, "stage": "request", "error": error_info(e)})
         watch = float(msg.get("watch") or 0)
@@ -890,8 +893,12 @@ class Server:
             reply["hooks"] = [[i, "class" if a[0] is not b[0] else "hooks"]
                               for i, (a, b) in enumerate(zip(hooks, [_hooks(t) for t in args_t])) if a != b]
             reply["ret"] = pack(torch, ret, out_tensors)
-            self.sync()  # an asynchronous kernel error surfaces here, and is the call's
-            reply["run_s"] = time.perf_counter() - t_run  # the candidate's call to its work done on the device
+            if overlap:  # the trusted side's stream waits for this event: no sync here or there
+                reply["run_s"] = time.perf_counter() - t_run  # the candidate's call, its launches
+                reply["done"] = self.record_done()
+            else:
+                self.sync()  # an asynchronous kernel error surfaces here, and is the call's
+                reply["run_s"] = time.perf_counter() - t_run  # the candidate's call to its work done on the device
             # With a watch, what goes back is copied at return, and whether it changed `watch` seconds later is said
             reply["changed"], bufs = self.changed_inputs(stores, copy=watch > 0)
             reply["out_storages"], reply["out_tensors"], more = self.pack_outputs(out_tensors, stores, watch > 0)
@@ -912,6 +919,31 @@ class Server:
                 torch.cuda.ipc_collect()  # output blocks the trusted side has let go of
             except Exception:  # noqa: BLE001 - said at the next call, if it matters
                 pass
+
+    def wait_ready(self, ready) -> bool:
+        """An overlapped call (client.KernelServer.overlap): `ready` is [device, handle] of the trusted side's
+        interprocess event, recorded after it staged the inputs; this process's stream waits for it on the device
+        rather than the trusted side waiting on the host. False for a synchronous call (no `ready`)."""
+        if not ready:
+            return False
+        torch = self.torch
+        dev, handle = _int(ready[0]), str(ready[1])
+        ev = self.events.get((dev, handle))
+        if ev is None:
+            ev = self.events[(dev, handle)] = torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(handle))
+        torch.cuda.current_stream(dev).wait_event(ev)
+        return True
+
+    def record_done(self) -> list:
+        """[device, handle] of our interprocess event, recorded on the stream the candidate ran on: the trusted
+        side's stream waits for it before it reads the outputs or the inputs the candidate may have written."""
+        torch = self.torch
+        dev = torch.cuda.current_device()
+        ev = self.done.get(dev)
+        if ev is None:
+            ev = self.done[dev] = torch.cuda.Event(interprocess=True)
+        ev.record(torch.cuda.current_stream(dev))
+        return [dev, ev.ipc_handle().hex()]
 
     def sync(self, everything: bool = False):
         """The candidate's work on this process's current stream (every stream: `everything`) finished, so what
