@@ -101,18 +101,22 @@ class ServerDied(CandidateError):
 class CallTiming:
     """Where a server's calls spend their time, summed over calls that returned: `send_s` (the inputs packed, staged
     and sent), `wait_s` (from sent to the reply's header: the server's unpacking, the candidate's call, its outputs
-    packed), of it `run_s` (the candidate's call until its device work is done, as the server says; of an
-    overlapped call, until its launches are: its device work is then not waited for), and `receive_s` (the outputs
+    packed), of it, as the server says, `request_s` (the request read, its tensors mapped), `run_s` (the candidate's
+    call until its device work is done; of an overlapped call, until its launches are: its device work is then not
+    waited for) and `pack_s` (the reply packed), and `receive_s` (the outputs
     and writes taken back). `overlapped`: calls whose device work was ordered by events, not host syncs. The arm's
     arm.json `sandbox` keeps it (train/arm.py)."""
 
     def __init__(self):
         self.calls, self.send_s, self.wait_s, self.receive_s, self.run_s = 0, 0.0, 0.0, 0.0, 0.0
-        self.overlapped = 0
+        self.overlapped, self.request_s, self.pack_s = 0, 0.0, 0.0
 
-    def add(self, send: float, wait: float, receive: float, run: float, overlapped: bool = False) -> None:
+    def add(self, send: float, wait: float, receive: float, run: float, overlapped: bool = False,
+            request: float = 0.0, pack: float = 0.0) -> None:
         self.calls += 1
         self.overlapped += overlapped
+        self.request_s += max(0.0, min(request, wait))  # the server's reading of the request, and its packing
+        self.pack_s += max(0.0, min(pack, wait))  # of the reply, as it says
         self.send_s += send
         self.wait_s += wait
         self.receive_s += receive
@@ -120,7 +124,8 @@ class CallTiming:
 
     def summary(self) -> dict:
         n = max(1, self.calls)
-        ms = {k: round(1000 * getattr(self, k) / n, 3) for k in ("send_s", "wait_s", "run_s", "receive_s")}
+        ms = {k: round(1000 * getattr(self, k) / n, 3)
+              for k in ("send_s", "wait_s", "request_s", "run_s", "pack_s", "receive_s")}
         return {"calls": self.calls, "overlapped": self.overlapped, **{k.replace("_s", "_ms_per_call"): v for k, v in ms.items()}}
 
 
@@ -416,9 +421,9 @@ class KernelServer:
                 raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
             if not h.get("ok"):
                 raise _exception(h.get("error") or {}, self.where)
-            run = h.get("run_s")
-            self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run if type(run) is float else 0.0,
-                            ready is not None)
+            run, req, pack = (v if type(v) is float else 0.0 for v in (h.get("run_s"), h.get("request_s"),
+                                                                        h.get("pack_s")))
+            self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run, ready is not None, req, pack)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
             return ret, late, notes

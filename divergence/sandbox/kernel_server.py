@@ -853,6 +853,7 @@ class Server:
 
     def call(self, msg):
         torch = self.torch
+        t_request = time.perf_counter()
         try:
             stores = self.receive_storages(msg)
             want = self.read_state(msg)
@@ -874,6 +875,7 @@ class Server:
         hooks = [_hooks(t) for t in args_t]
         before = self.state["snapshot"]()
         t_run = time.perf_counter()
+        request_s = t_run - t_request
         try:
             ret = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
@@ -913,6 +915,7 @@ class Server:
             return self.reply({"ok": False, "stage": "outputs", "error": error_info(e),
                                "state": reply.get("state") or {}, "changed": []})
         del ret, out_tensors
+        reply["request_s"], reply["pack_s"] = request_s, time.perf_counter() - t_run - reply["run_s"]
         self.reply(reply, bufs + more)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
