@@ -4,16 +4,22 @@ model's hidden size and vocabulary). Per call: the caller's host time, and the d
 (each preceded by a GPU op that makes its inputs, as a training step's backward does). With the server's own
 account of where a call's time went (sandbox/client.CallTiming). GPU only.
 
-    python benchmarks/server_calls.py [--recipe h200] [--candidate zoo:triton_embed_fp32] [--calls 60]
+    python benchmarks/server_calls.py [--recipe h200] [--candidate zoo:triton_embed_fp32] [--calls 60] [--profile]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import sys
 import time
 
 import torch
+
+
+PROFILE = []  # --profile: the caller's Python, per function, of the timed calls (to stderr); off by default
 
 
 def inputs(recipe, vocab: int):
@@ -25,20 +31,29 @@ def inputs(recipe, vocab: int):
     return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in x)
 
 
-def timed(fn, args, calls: int, work) -> dict:
-    """Host ms per call (the caller's), and wall ms per call of `calls` calls each after `work()`, synced once."""
-    for _ in range(3):
+def timed(fn, args, calls: int, work, reset=lambda: None) -> dict:
+    """Host ms per call (the caller's), and wall ms per call of `calls` calls each after `work()`, synced once,
+    after 5 such calls (compilation, autotuning, the server's synchronous first calls) and then `reset()`."""
+    for _ in range(5):
         work()
         fn(*args)
     torch.cuda.synchronize()
+    reset()
     host = 0.0
+    prof = cProfile.Profile() if PROFILE else None
     t0 = time.perf_counter()
     for _ in range(calls):
         work()
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         fn(*args)
+        if prof is not None:
+            prof.disable()
         host += time.perf_counter() - t
     torch.cuda.synchronize()
+    if prof is not None:
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     return {"host_ms_per_call": round(1e3 * host / calls, 3),
             "wall_ms_per_call": round(1e3 * (time.perf_counter() - t0) / calls, 3)}
 
@@ -48,12 +63,15 @@ def main():
     ap.add_argument("--recipe", default="h200")
     ap.add_argument("--candidate", default="zoo:triton_embed_fp32")
     ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--profile", action="store_true", help="cProfile the timed calls of each mode, to stderr")
     args = ap.parse_args()
+    PROFILE[:] = [True] if args.profile else []
     if not torch.cuda.is_available():
         raise SystemExit("server_calls.py needs a CUDA GPU")
     from divergence.candidates.loader import load_candidate
     from divergence.recipe import load_recipe
     from divergence.sandbox import OPT_OUT
+    from divergence.sandbox.client import CallTiming
     from divergence.slots import fused_embed_rmsnorm as slot
 
     recipe = load_recipe(args.recipe)
@@ -79,7 +97,8 @@ def main():
         remote = getattr(impl.fn, "sandbox", None)
         if remote is not None:
             remote.server.overlap = mode == "overlap"
-        out[mode] = timed(lambda *a: impl.fn(*a, vocab_size=vocab), x, args.calls, work)
+        reset = (lambda: setattr(remote.server, "timing", CallTiming())) if remote is not None else (lambda: None)
+        out[mode] = timed(lambda *a: impl.fn(*a, vocab_size=vocab), x, args.calls, work, reset)
         if remote is not None:
             out[mode]["server"] = remote.server.timing.summary()
             remote.server.close()

@@ -562,7 +562,7 @@ def test_overlapped_calls_give_what_synchronous_calls_give(tmp_path, sandbox_on)
         out, _, _ = server.call((gate, up), {})
         assert torch.equal(out, expected_out), f"call {i}: output"
         assert torch.equal(up, expected_up), f"call {i}: the input it wrote into"
-    assert server.timing.overlapped == 5
+    assert server.timing.overlapped == 6  # the first SYNC_CALLS synchronous, the IPC check's echo among them
     gate[0, 0] = 1024.0
     with pytest.raises(ValueError) as e:  # the candidate's exception, rebuilt here
         server.call((gate, up), {})
