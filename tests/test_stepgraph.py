@@ -217,15 +217,19 @@ def test_a_replayed_evaluation_reads_the_weights_as_they_are_now(tiny_corpus):
     assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
 
 
-def test_under_step_graphs_every_arms_body_is_compiled_without_cudagraph_trees():
+def test_a_body_runs_under_cudagraph_trees_exactly_where_its_arm_has_no_step_graph():
     from divergence.train.module import ArmModule
 
     zoo = build_kernels({"fused_embed_rmsnorm": "zoo:embed_bf16_accum"}, {"vocab_size": 512})
-    for step_graph, trees in ((True, False), (False, True)):
+    ref = build_kernels({}, {"vocab_size": 512})
+    for step_graph in (True, False):
         r = load_recipe("tiny", {"train": {"compile": "inductor+cudagraphs", "step_graph": step_graph}})
-        # the candidate's arm, which never gets a step graph: its body is the others' (one compile, one set of
-        # kernels) unless step graphs are off
-        assert ArmModule(r, "sgd", zoo, 512, sink=None).cudagraphs is trees
+        # the candidate's arm never gets a step graph: its body replays under cudagraph trees either way
+        assert ArmModule(r, "sgd", zoo, 512, sink=None).cudagraphs is True
+        graph = StepGraph() if step_graph else None
+        assert ArmModule(r, "sgd", ref, 512, sink=None, step_graph=graph).cudagraphs is (not step_graph)
+    plain = load_recipe("tiny", {"train": {"compile": "inductor"}})
+    assert ArmModule(plain, "sgd", zoo, 512, sink=None).cudagraphs is False
 
 
 def test_a_pure_function_is_captured_right_after_its_warm_up_and_replayed_from_the_next_call():

@@ -39,11 +39,14 @@ class ArmModule(pl.LightningModule):
                                         pool=step_graph.pool)
         self._eval_inputs = None
         self.model = build_model(recipe.model, vocab_size, kernels, recipe.seed)
-        # Under `train.step_graph` every arm's body is plain inductor, the candidate's too: inside a whole-step graph
-        # cudagraph trees cannot run (no nested capture), and one compiled body for all the arms means the arms'
-        # numbers differ by their kernels alone, and the candidate arms read the body from inductor's cache instead
-        # of compiling a second variant (about 10 s more each, on a fresh H200, 2026-11-26).
-        self.cudagraphs = uses_cudagraphs(recipe.train.compile) and not recipe.train.step_graph
+        # An arm with a whole-step graph compiles its body as plain inductor: inside that graph cudagraph trees
+        # cannot run (no nested capture). An arm without one (the candidate's: its call cannot be captured) replays
+        # its body under cudagraph trees: the same kernels, the same numbers bit for bit (tests/test_stepgraph.py),
+        # but one launch each for the forward and the backward instead of about 250 (the h200 recipe's candidate
+        # arm stepped in 21.7 ms with its device busy 8.6: host-bound, one H100, 2026-11-27, `bench.py --profile`).
+        # It costs the candidate arms a second compiled variant of the body (about 10 s, on a fresh H200,
+        # 2026-11-26), which inductor's cache then keeps for the next candidate arm.
+        self.cudagraphs = uses_cudagraphs(recipe.train.compile) and step_graph is None
         if recipe.train.compile:
             self.model.compile_body(recipe.train.compile, cudagraphs=self.cudagraphs)
         self.step_no = 0
