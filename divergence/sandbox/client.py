@@ -99,34 +99,39 @@ class ServerDied(CandidateError):
 
 
 class CallTiming:
-    """Where a server's calls spend their time, summed over calls that returned: `send_s` (the inputs packed, staged
-    and sent), `wait_s` (from sent to the reply's header: the server's unpacking, the candidate's call, its outputs
-    packed), of it, as the server says, `request_s` (the request read, its tensors mapped), `run_s` (the candidate's
-    call until its device work is done; of an overlapped call, until its launches are: its device work is then not
-    waited for) and `pack_s` (the reply packed), and `receive_s` (the outputs
-    and writes taken back). `overlapped`: calls whose device work was ordered by events, not host syncs. The arm's
-    arm.json `sandbox` keeps it (train/arm.py)."""
+    """Where a server's calls spend their time, per call, over the calls that returned after the first FIRST_CALLS
+    (those compile, autotune and map their inputs for the first time; over every call where there were no more):
+    `send` (the inputs packed, staged and sent), `wait` (from sent to the reply's header), of it, as the server
+    says, `request` (the request read, its tensors mapped), `run` (the candidate's call until its device work is
+    done; of an overlapped call, until its launches are: its device work is then not waited for) and `pack` (the
+    reply packed), and `receive` (the outputs and writes taken back). `calls`: all of them; `overlapped`: those
+    ordered by events, not host syncs. The arm's arm.json `sandbox` keeps it (train/arm.py)."""
+
+    FIRST_CALLS = 5
+    KEYS = ("send", "wait", "request", "run", "pack", "receive")
 
     def __init__(self):
-        self.calls, self.send_s, self.wait_s, self.receive_s, self.run_s = 0, 0.0, 0.0, 0.0, 0.0
-        self.overlapped, self.request_s, self.pack_s = 0, 0.0, 0.0
+        self.calls, self.overlapped = 0, 0
+        self.all = dict.fromkeys(self.KEYS, 0.0)
+        self.steady = dict.fromkeys(self.KEYS, 0.0)
 
     def add(self, send: float, wait: float, receive: float, run: float, overlapped: bool = False,
             request: float = 0.0, pack: float = 0.0) -> None:
         self.calls += 1
         self.overlapped += overlapped
-        self.request_s += max(0.0, min(request, wait))  # the server's reading of the request, and its packing
-        self.pack_s += max(0.0, min(pack, wait))  # of the reply, as it says
-        self.send_s += send
-        self.wait_s += wait
-        self.receive_s += receive
-        self.run_s += max(0.0, min(run, wait))  # the server's word, bounded by what we saw
+        # the server's word, bounded by what we saw
+        got = {"send": send, "wait": wait, "receive": receive, "run": max(0.0, min(run, wait)),
+               "request": max(0.0, min(request, wait)), "pack": max(0.0, min(pack, wait))}
+        for k, v in got.items():
+            self.all[k] += v
+            if self.calls > self.FIRST_CALLS:
+                self.steady[k] += v
 
     def summary(self) -> dict:
-        n = max(1, self.calls)
-        ms = {k: round(1000 * getattr(self, k) / n, 3)
-              for k in ("send_s", "wait_s", "request_s", "run_s", "pack_s", "receive_s")}
-        return {"calls": self.calls, "overlapped": self.overlapped, **{k.replace("_s", "_ms_per_call"): v for k, v in ms.items()}}
+        steady = self.calls - self.FIRST_CALLS
+        sums, n = (self.steady, steady) if steady > 0 else (self.all, max(1, self.calls))
+        return {"calls": self.calls, "overlapped": self.overlapped, "timed_calls": n if steady > 0 else self.calls,
+                **{f"{k}_ms_per_call": round(1000 * v / n, 3) for k, v in sums.items()}}
 
 
 def gpu_reserved() -> tuple:
