@@ -14,7 +14,8 @@ Prints every step where a peak grew and the first steps, and writes the whole tr
 also records the allocator's history and dumps it at the end (open it in https://pytorch.org/memory_viz).
 
     python benchmarks/arm_memory.py [--recipe h200-shapes] [--shape hidden=4096,vocab=65536] [--optimizer adamw]
-                                     [--steps 60] [--arm reference|null-1] [--set KEY=VALUE] [--out trace.json]
+                                     [--steps 60] [--arm reference|null-1] [--candidate SPEC] [--set KEY=VALUE]
+                                     [--out trace.json]
                                      [--snapshot snapshot.pickle] [--cap-gib G] [--keep-cache]
 
 Needs a CUDA GPU (one line and exit 2 without).
@@ -44,7 +45,11 @@ class MemoryTrace:
         self.pools = []
 
     def _row(self, step):
-        self.rows.append({"step": step, "allocated": _gib(torch.cuda.memory_allocated()),
+        from divergence.sandbox.client import gpu_reserved
+
+        server = gpu_reserved()  # a candidate's kernel server: a process of its own, its own allocator's peak
+        self.rows.append({"step": step, "server_peak_reserved": _gib(server[0]) if server[1] else None,
+                          "allocated": _gib(torch.cuda.memory_allocated()),
                           "reserved": _gib(torch.cuda.memory_reserved()),
                           "peak_allocated": _gib(torch.cuda.max_memory_allocated()),
                           "peak_reserved": _gib(torch.cuda.max_memory_reserved())})
@@ -89,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--arm", default="reference", help="reference, or null-K")
+    ap.add_argument("--candidate", help="a candidate arm instead, as an A/B runs it: this fused_embed_rmsnorm "
+                    "candidate (e.g. zoo:triton_embed_fp32) in its kernel server, the lockstep check every step")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets")
     ap.add_argument("--out", default="arm-memory.json")
     ap.add_argument("--snapshot", help="also record the allocator's history and dump it here")
@@ -120,23 +127,31 @@ def main(argv=None) -> int:
         over["shapes"] = parse_shape_arg(a.shape)
     recipe = load_recipe(a.recipe, over)
     kernels = {} if a.arm == "reference" else {"fused_embed_rmsnorm": a.arm}  # a null in the embedding slot
+    spec, watcher = ArmSpec(a.arm, a.optimizer, kernels), None
+    if a.candidate:
+        from divergence.detect.lockstep import Lockstep
+
+        spec, watcher = ArmSpec("candidate", a.optimizer, {"fused_embed_rmsnorm": a.candidate},
+                                lockstep="fused_embed_rmsnorm"), Lockstep
     trace = MemoryTrace()
     if a.snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     with tempfile.TemporaryDirectory() as tmp:
-        info = run_arm(recipe, ArmSpec(a.arm, a.optimizer, kernels), Path(tmp) / a.arm, progress=False,
-                       callbacks=[trace.callback()])
+        info = run_arm(recipe, spec, Path(tmp) / spec.name, progress=False, callbacks=[trace.callback()],
+                       watcher=watcher)
         torch.cuda.synchronize()
         trace._row("end")
     if a.snapshot:
         torch.cuda.memory._dump_snapshot(a.snapshot)
     timings = {k: v for k, v in (info.get("timings") or {}).items() if "graph" in k}
-    result = {"recipe": recipe.name, "shapes": recipe.shapes, "optimizer": a.optimizer, "arm": a.arm,
+    result = {"recipe": recipe.name, "shapes": recipe.shapes, "optimizer": a.optimizer, "arm": spec.name,
+              "candidate": a.candidate,
+              "server_peak_reserved": max((r["server_peak_reserved"] or 0 for r in trace.rows), default=None),
               "status": info.get("status"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "keep_cache": a.keep_cache, "cap_gib": a.cap_gib, "graphs": timings, "pools": trace.pools, "rows": trace.rows}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
-    print(f"{a.arm} under {a.optimizer}, {recipe.name} at {a.shape} on {result['device']}: {info.get('status')}; "
+    print(f"{spec.name} under {a.optimizer}, {recipe.name} at {a.shape} on {result['device']}: {info.get('status')}; "
           f"{timings}")
     print(f"{'step':>5} {'allocated':>10} {'reserved':>9} {'peak alloc':>11} {'peak resv':>10}  (GiB; peaks within "
           "the step)")
@@ -148,6 +163,8 @@ def main(argv=None) -> int:
             print(f"{r['step']:>5} {r['allocated']:>10} {r['reserved']:>9} {r['peak_allocated']:>11} "
                   f"{r['peak_reserved']:>10}")
     print(f"peak: {top[0]} GiB allocated, {top[1]} GiB reserved; trace in {a.out}")
+    if a.candidate:
+        print(f"its kernel server's allocator: {result['server_peak_reserved']} GiB reserved at its peak")
     print("at the last step, by pool and stream (GiB):")
     for r in trace.pools:
         print(f"  pool {r['pool']:<10} stream {r['stream']:<16} {r['segments']:>4} segments, "

@@ -346,6 +346,40 @@ def test_global_state_the_candidate_changes_comes_back_as_if_it_ran_here(tmp_pat
         torch.set_default_dtype(torch.float32)
 
 
+def test_global_state_crosses_only_when_it_changed_and_a_change_between_calls_still_comes_back(tmp_path,
+                                                                                              sandbox_on):
+    """The trusted side sends its global state with a call only where it changed since the last call ended (both
+    sides were the same then); the server then starts from the state that call left, so a change made there between
+    calls (a thread the candidate started) comes back with the next call, as one made during it does."""
+    impl = load_candidate("swiglu", write(tmp_path, "later.py", """
+        import threading, torch
+        def run(gate, up):
+            if float(gate.flatten()[0]) == 3.0:
+                t = threading.Timer(0.05, lambda: torch.set_default_dtype(torch.float64))
+                t.start()
+            return gate * up
+        """))
+    server = impl.fn.sandbox.server
+    sent = []
+    real = server._send
+    server._send = lambda header, bufs=(): (sent.append(header.get("state") is not None), real(header, bufs))[1]
+    gate, up = swiglu_inputs()
+    try:
+        impl.fn(gate, up)
+        impl.fn(gate, up)
+        torch.manual_seed(5)  # our CPU generator moved: sent again
+        impl.fn(gate, up)
+        assert sent == [True, False, True]
+        gate[0, 0] = 3.0
+        impl.fn(gate, up)  # starts the thread, which changes the default dtype there after returning
+        assert torch.get_default_dtype() == torch.float32
+        time.sleep(0.5)
+        impl.fn(gate, up)
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_a_write_into_an_input_comes_back(tmp_path, sandbox_on):
     impl = load_candidate("swiglu", write(tmp_path, "halves.py", """
         def run(gate, up):

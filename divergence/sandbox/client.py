@@ -267,8 +267,9 @@ class KernelServer:
         # works through this process's queue while the call crosses. Off until set, and for the first
         # SYNC_CALLS calls, whose errors (compilation, autotuning, a first asynchronous fault) are then the call's.
         self.overlap = False
+        self._state_synced = None  # our global state when the last call ended well, the server's the same
         self.calls_made = 0  # calls that returned, the echo of _ipc_works included (the timing leaves it out)
-        self._ready: dict = {}  # device index -> our interprocess "inputs staged" event
+        self._ready: dict = {}  # device index -> (our interprocess "inputs staged" event, its handle in hex)
         self._theirs: dict = {}  # (device, handle) -> the server's "outputs ready" event, opened here once
         self._held: list = []  # (event, [their storages]): mapped until our copies from them are done
         _LIVE.add(self)
@@ -404,7 +405,8 @@ class KernelServer:
             overlap = (self.overlap and self.cuda == "ipc" and not watch and not echo
                        and self.calls_made >= SYNC_CALLS)
             groups, storages, descs, bufs, drop, ready = self._pack_inputs(tensors, overlap)
-            state, state_bufs = _pack_state()
+            state, state_bufs = _pack_state(self._state_synced)
+            self._state_synced = None  # until this call has ended well
             header = {"op": "call", "args": a, "kwargs": k, "tensors": descs, "storages": storages, "drop": drop,
                       "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", "ready": ready, **state}
             self._send(header, bufs + state_bufs)
@@ -430,6 +432,10 @@ class KernelServer:
             run, req, pack = (v if type(v) is float else 0.0 for v in (h.get("run_s"), h.get("request_s"),
                                                                         h.get("pack_s")))
             self.calls_made += 1
+            # Both sides' global state is now the same (theirs changes came back and were set here): the next call
+            # sends its own only if ours has changed meanwhile (a snapshot is ~13 us; sending and setting it there
+            # every call cost more, at every step of an arm)
+            self._state_synced = globalstate.snapshot()
             if not echo:  # our own check of CUDA IPC is not the candidate's call
                 self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run, ready is not None, req, pack)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
@@ -525,11 +531,12 @@ class KernelServer:
         ready = None
         if overlap and len(sync) == 1:
             dev = next(iter(sync))
-            ev = self._ready.get(dev.index)
-            if ev is None:
-                ev = self._ready[dev.index] = torch.cuda.Event(interprocess=True)
+            if dev.index not in self._ready:
+                ev = torch.cuda.Event(interprocess=True)
+                self._ready[dev.index] = (ev, ev.ipc_handle().hex())
+            ev, handle = self._ready[dev.index]
             ev.record(torch.cuda.current_stream(dev))
-            ready = [dev.index, ev.ipc_handle().hex()]
+            ready = [dev.index, handle]
         else:
             for dev in sync:  # the staging copies done before the server reads them
                 torch.cuda.current_stream(dev).synchronize()
@@ -665,16 +672,20 @@ class KernelServer:
                     from None
 
 
-def _pack_state() -> tuple:
-    """This process's global state for a request: ({"state", "state_tensors", "cuda_device"}, buffers)."""
+def _pack_state(last: Optional[dict] = None) -> tuple:
+    """This process's global state for a request: ({"state", "state_tensors", "cuda_device"}, buffers); "state"
+    None where it equals `last` (what both sides had when the last call ended: the server keeps its own)."""
     tensors = []
-    tree = wire.pack(torch, globalstate.snapshot(), tensors)
+    now = globalstate.snapshot()
+    dev = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    if last is not None and not globalstate._changed_keys(last, now):
+        return {"state": None, "state_tensors": [], "cuda_device": dev}, []
+    tree = wire.pack(torch, now, tensors)
     descs, bufs = [], []
     for t in tensors:
         t = t.detach().cpu().contiguous()
         descs.append({"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape), "n": t.numel() * t.element_size()})
         bufs.append(memoryview(t.numpy()).cast("B") if t.numel() else b"")
-    dev = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return {"state": tree, "state_tensors": descs, "cuda_device": dev}, bufs
 
 

@@ -230,9 +230,11 @@ def set_state(state, values: dict, keys) -> None:
     flags too, and setting those again through their legacy API is what torch calls mixing the two APIs (it then
     refuses to read the precision)."""
     get = state.get if isinstance(state, dict) else lambda k: getattr(state, k)
+    now = get("snapshot")()  # one snapshot, taken again only after a setter ran (it may set others too)
     for k in [k for k in get("_SETTERS") if k in keys]:
-        if k in get("_changed_keys")({k: values[k]}, get("snapshot")()):
+        if k in get("_changed_keys")({k: values[k]}, now):
             get("restore")(values, [k])
+            now = get("snapshot")()
 
 
 def error_info(e: BaseException) -> dict:
@@ -664,8 +666,10 @@ class Server:
         self.next_token = 0
         self.cuda_copy = False
         self.taken = 0
+        self.after_last = None  # the global state here when the last call ended
         self.events = {}  # (device, handle) -> the trusted side's "inputs ready" event, opened here once
-        self.done = {}  # device -> our "outputs ready" event (interprocess), recorded after each overlapped call
+        self.done = {}  # device -> (our interprocess "outputs ready" event, its handle): recorded after each
+        # overlapped call
 
     def serve(self):
         hello = recv_header(self.conn)
@@ -769,20 +773,22 @@ class Server:
     #    to be seen (and put back) there, as if it had run in that process
 
     def read_state(self, msg):
+        """The trusted side's global state sent with a request, or None where it sent none: unchanged since
+        the last call ended, when both sides' states were the same."""
         tensors = [self.cpu_tensor(d) for d in msg.get("state_tensors", [])]
         if msg.get("cuda_device") is not None and self.torch.cuda.is_available():
             self.torch.cuda.set_device(int(msg["cuda_device"]))
-        return unpack(self.torch, msg["state"], tensors)
+        return None if msg.get("state") is None else unpack(self.torch, msg["state"], tensors)
 
     def apply_state(self, msg, want=None):
         if want is None:
-            if "state" not in msg:
+            if msg.get("state") is None:
                 return
             want = self.read_state(msg)
         set_state(self.state, want, [k for k in want if k in self.state["_SETTERS"]])
 
     def state_changes(self, before: dict) -> dict:
-        after = self.state["snapshot"]()
+        after = self.after_last = self.state["snapshot"]()
         return {k: after[k] for k in self.state["_changed_keys"](before, after)}
 
     def reply(self, reply: dict, bufs=()) -> None:
@@ -873,7 +879,9 @@ class Server:
         self.cuda_copy = bool(msg.get("cuda_copy"))
         fn = _echo if msg.get("echo") else self.fn  # echo: the trusted side's check that CUDA IPC works both ways
         hooks = [_hooks(t) for t in args_t]
-        before = self.state["snapshot"]()
+        # Where the trusted side sent no state (its own unchanged since the last call ended), the state that call
+        # left here is the base: a change made between calls (a thread of the candidate's) goes back with this one's
+        before = self.after_last if want is None and self.after_last is not None else self.state["snapshot"]()
         t_run = time.perf_counter()
         request_s = t_run - t_request
         try:
@@ -942,11 +950,12 @@ class Server:
         side's stream waits for it before it reads the outputs or the inputs the candidate may have written."""
         torch = self.torch
         dev = torch.cuda.current_device()
-        ev = self.done.get(dev)
-        if ev is None:
-            ev = self.done[dev] = torch.cuda.Event(interprocess=True)
+        if dev not in self.done:
+            ev = torch.cuda.Event(interprocess=True)
+            self.done[dev] = (ev, ev.ipc_handle().hex())
+        ev, handle = self.done[dev]
         ev.record(torch.cuda.current_stream(dev))
-        return [dev, ev.ipc_handle().hex()]
+        return [dev, handle]
 
     def sync(self, everything: bool = False):
         """The candidate's work on this process's current stream (every stream: `everything`) finished, so what
