@@ -207,17 +207,17 @@ class Untouched:
         self.module, self.optimizer, self.step = module, optimizer, None
         self.base = hook_state(module, optimizer)
 
-    def _compare_hooks(self, step):
+    def _compare_hooks(self, when: str):
         now = hook_state(self.module, self.optimizer)
         if now != self.base:
             what = [k for k in self.base.keys() | now.keys() if self.base.get(k) != now.get(k)]
-            raise OutputError(f"the candidate changed hooks or objects of the training run at step {step}: "
+            raise OutputError(f"the candidate changed hooks or objects of the training run {when}: "
                               f"{', '.join(sorted(what)[:5])}{' ...' if len(what) > 5 else ''} (what the optimizer "
                               "reads is then not what the slots returned)")
 
     def after_backward(self, module, step: int):
         if self.every_step or step == 0:
-            self._compare_hooks(step)
+            self._compare_hooks(f"at step {step}")
         self.step = step
         if self.grads:
             handed = self.kernels.handed.pop("fused_embed_rmsnorm", None)
@@ -233,7 +233,7 @@ class Untouched:
 
     def finish(self):
         if self.base is not None and self.step is not None:
-            self._compare_hooks(self.step)
+            self._compare_hooks(f"by step {self.step}")
         self._raise(self.flags.first(wait=True))
 
     def _raise(self, bad):
