@@ -605,3 +605,24 @@ def test_overlapped_calls_give_what_synchronous_calls_give(tmp_path, sandbox_on)
     out, _, _ = server.call((gate * 0, up), {})  # the server goes on
     assert torch.equal(out, torch.zeros_like(out))
     server.close()
+
+
+@pytest.mark.gpu
+def test_a_server_that_cannot_open_our_event_is_asked_again_synchronously(tmp_path, sandbox_on):
+    """Where the server cannot open the caller's interprocess event (a platform without them, here a handle that
+    names no event), that call is made again synchronously, and so is every later one; the platform says why."""
+    from divergence.sandbox.client import SYNC_CALLS
+
+    impl = load_candidate("swiglu", write(tmp_path, "plain.py", "def run(gate, up):\n    return gate * up\n"))
+    server = impl.fn.sandbox.server
+    server.overlap = True
+    gate, up = (t.cuda() for t in swiglu_inputs())
+    for _ in range(SYNC_CALLS):
+        server.call((gate, up), {})
+    ev = torch.cuda.Event(interprocess=True)
+    server._ready[gate.device.index] = (ev, "00" * 64)  # names no event the server can open
+    out, _, _ = server.call((gate, up), {})
+    assert torch.equal(out, gate * up)
+    assert server.overlap is False and server.platform["overlap_error"]
+    assert server.timing.overlapped == 0
+    server.close()

@@ -427,6 +427,12 @@ class KernelServer:
                     raise _NoIpc(f"{type(e).__name__}: {e}") from None
                 self.close()
                 raise CandidateError(f"{self.where}: the kernel server's reply could not be read ({e})") from None
+            if not h.get("ok") and h.get("stage") == "events" and ready is not None:
+                # The server could not open our event: this call again, and every later one, synchronously
+                self.overlap = False
+                err = h.get("error") or {}
+                self.platform["overlap_error"] = f"{wire.safe_name(err.get('type'))}: {err.get('msg', '')}"[:300]
+                return self.call(args, kwargs, watch, echo)
             if not h.get("ok"):
                 raise _exception(h.get("error") or {}, self.where)
             run, req, pack = (v if type(v) is float else 0.0 for v in (h.get("run_s"), h.get("request_s"),
@@ -529,11 +535,15 @@ class KernelServer:
             for i in idx:
                 descs[i] = wire.describe_tensor(tensors[i], len(storages) - 1, start)
         ready = None
-        if overlap and len(sync) == 1:
-            dev = next(iter(sync))
-            if dev.index not in self._ready:
+        dev = next(iter(sync)) if overlap and len(sync) == 1 else None
+        if dev is not None and dev.index not in self._ready:
+            try:
                 ev = torch.cuda.Event(interprocess=True)
                 self._ready[dev.index] = (ev, ev.ipc_handle().hex())
+            except RuntimeError as e:  # no interprocess events here: synchronous calls
+                self.overlap, dev = False, None
+                self.platform["overlap_error"] = f"{type(e).__name__}: {e}"[:300]
+        if dev is not None:
             ev, handle = self._ready[dev.index]
             ev.record(torch.cuda.current_stream(dev))
             ready = [dev.index, handle]

@@ -872,9 +872,12 @@ class Server:
             args = unpack(torch, msg["args"], args_t)
             kwargs = unpack(torch, msg["kwargs"], args_t)
             self.apply_state(msg, want)
-            overlap = self.wait_ready(msg.get("ready"))
         except Exception as e:  # noqa: BLE001 - a request this side cannot read: said, not fatal
             return self.reply({"ok": False, "stage": "request", "error": error_info(e)})
+        try:
+            overlap = self.wait_ready(msg.get("ready"))
+        except Exception as e:  # noqa: BLE001 - no CUDA IPC events here: the trusted side asks again, synchronously
+            return self.reply({"ok": False, "stage": "events", "error": error_info(e)})
         watch = float(msg.get("watch") or 0)
         self.cuda_copy = bool(msg.get("cuda_copy"))
         fn = _echo if msg.get("echo") else self.fn  # echo: the trusted side's check that CUDA IPC works both ways
