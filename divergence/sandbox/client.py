@@ -12,8 +12,12 @@ What crosses, and how:
   What the candidate wrote into an input comes back and is written into ours, as it would have been in-process.
 - GPU tensors through CUDA IPC: each input storage's span copied into a staging buffer of ours (from a memory pool of
   its own where torch has one: a mapping exposes whole allocator segments, which then hold staging buffers only),
-  mapped by the server; what it wrote there is compared with ours and copied back. Outputs are mapped from the
-  server's memory and copied at once into storages of ours. Where CUDA IPC fails (checked once, with a tensor of
+  mapped by the server; copied back whole after the call (what the candidate wrote there lands in ours). Outputs
+  are mapped from the server's memory and copied at once into storages of ours. An arm's calls after its first
+  SYNC_CALLS are ordered on the device, not the host (KernelServer.overlap): an interprocess event of ours after
+  the staging copies, which the server's stream waits for, and one of the server's after the candidate's launches,
+  which ours waits for; where such events cannot be made or opened, calls stay synchronous
+  (`platform["overlap_error"]` says why). Where CUDA IPC fails (checked once, with a tensor of
   16 elements), GPU tensors go by copy through the host (`platform["cuda_transport"]` says which).
 - Outputs are rebuilt here as exact torch.Tensors, on storages of ours. An output buffer the candidate keeps and
   returns again comes back into the same storage of ours (kernel_server's tokens), so a kernel whose outputs its
