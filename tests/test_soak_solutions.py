@@ -175,6 +175,12 @@ def test_every_shipped_soak_file_loads(monkeypatch):
     assert [Path(c["candidate"]).parent.name for c in soak["candidates"]] == sorted(
         p.parent.name for p in Path("benchmarks/sol087").glob("*/solution.json"))
     assert len(soak["candidates"]) == 10 and soak["definitions"] == "benchmarks/sol087"
+    # every problem family's fixtures, each kernel with its definition beside it
+    soak = load_soak(RECIPES_DIR / "soaks" / "sol-problems.yaml")
+    got = sorted(Path(c["candidate"]).parent for c in soak["candidates"])
+    assert got == sorted(p.parent for p in Path("tests/fixtures/sol").glob("*/*/solution.json"))
+    assert {p.parent.name for p in got} == {p.name for p in Path("tests/fixtures/sol").iterdir() if p.is_dir()}
+    assert all((p / "definition.json").exists() for p in got)
 
 
 def test_each_candidate_gets_a_readable_name_unique_in_its_slot():
