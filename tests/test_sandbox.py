@@ -628,3 +628,29 @@ def test_a_server_that_cannot_open_our_event_is_asked_again_synchronously(tmp_pa
     server.call((gate, up), {})
     assert server.timing.overlapped == overlapped
     server.close()
+
+
+def test_state_goes_whole_when_a_key_appears_and_held_outputs_are_never_waited_for_without_a_bound():
+    """Two guards of overlapped calls, without a GPU: our global state is sent whole when it holds a key the last
+    call's did not (the CUDA generator, once CUDA starts here after a CPU call); and the server's output storages we
+    still hold are let go after at most the wait given, even where their event never passes (a server that died or
+    faulted before it recorded it)."""
+    from divergence.candidates import globalstate
+    from divergence.sandbox import client
+
+    now = globalstate.snapshot()
+    assert client._pack_state(now)[0]["state"] is None  # nothing changed: nothing sent
+    fewer = {k: v for k, v in now.items() if k != "default dtype"}
+    assert client._pack_state(fewer)[0]["state"] is not None
+
+    class Never:
+        def query(self):
+            return False
+
+    server = client.KernelServer.__new__(client.KernelServer)
+    server._held = [(Never(), ["storage"])]
+    server._release_held()  # no wait: kept
+    assert len(server._held) == 1
+    t0 = time.monotonic()
+    server._release_held(wait_s=0.2)
+    assert server._held == [] and time.monotonic() - t0 < 2.0

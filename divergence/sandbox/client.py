@@ -301,7 +301,7 @@ class KernelServer:
     def close(self):
         if not self.closed:
             self.closed = True
-            self._release_held(wait=True)
+            self._release_held(wait_s=5.0)
             self._finalizer()
 
     def _forked(self):
@@ -340,6 +340,7 @@ class KernelServer:
         """The server is gone: how it ended, from its reaper (which first ended whatever it started and passed its
         last words on to our log); then this process ends the same way, or ServerDied."""
         how = None
+        self._held.clear()  # nothing of a dead server's is waited for (our copies from it end as its memory goes)
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             line = self._ctl_line(deadline - time.monotonic())
@@ -492,15 +493,24 @@ class KernelServer:
             ev = self._theirs[(dev, handle)] = torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(handle))
         torch.cuda.current_stream(dev).wait_event(ev)
 
-    def _release_held(self, wait: bool = False) -> None:
-        """Lets go of the server's output storages our copies from them have finished with (all: `wait`)."""
-        while self._held and (wait or self._held[0][0].query()):
-            ev, _ = self._held.pop(0)
-            if wait:
-                try:
-                    ev.synchronize()
-                except RuntimeError:  # a broken context: the storages go all the same
-                    pass
+    def _release_held(self, wait_s: float = 0.0) -> None:
+        """Lets go of the server's output storages our copies from them have finished with; with `wait_s`, all of
+        them, waiting at most that long (never on the host without a bound: where the server died or faulted before
+        its event, our stream may wait on it for good)."""
+        deadline = time.monotonic() + wait_s
+        while self._held:
+            try:
+                done = self._held[0][0].query()
+            except RuntimeError:  # a broken context: the storages go all the same
+                done = True
+            if not done and time.monotonic() >= deadline:
+                if wait_s:
+                    self._held.clear()
+                return
+            if done:
+                self._held.pop(0)
+            else:
+                time.sleep(0.001)
 
     def _pack_inputs(self, tensors, overlap: bool = False) -> tuple:
         """(groups, storages, descs, buffers, storages to drop, `ready`): `ready` is [device, handle] of the
@@ -692,7 +702,7 @@ def _pack_state(last: Optional[dict] = None) -> tuple:
     tensors = []
     now = globalstate.snapshot()
     dev = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    if last is not None and not globalstate._changed_keys(last, now):
+    if last is not None and set(last) == set(now) and not globalstate._changed_keys(last, now):
         return {"state": None, "state_tensors": [], "cuda_device": dev}, []
     tree = wire.pack(torch, now, tensors)
     descs, bufs = [], []

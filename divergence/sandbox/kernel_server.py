@@ -876,8 +876,10 @@ class Server:
             return self.reply({"ok": False, "stage": "request", "error": error_info(e)})
         try:
             overlap = self.wait_ready(msg.get("ready"))
-        except Exception as e:  # noqa: BLE001 - no CUDA IPC events here: the trusted side asks again, synchronously
-            return self.reply({"ok": False, "stage": "events", "error": error_info(e)})
+        except _NoEvents as e:  # no CUDA IPC events here: the trusted side asks again, synchronously
+            return self.reply({"ok": False, "stage": "events", "error": error_info(e.__cause__ or e)})
+        except Exception as e:  # noqa: BLE001 - the CUDA error of an earlier call's kernels, surfacing now
+            return self.reply({"ok": False, "stage": "call", "error": error_info(e)})
         watch = float(msg.get("watch") or 0)
         self.cuda_copy = bool(msg.get("cuda_copy"))
         fn = _echo if msg.get("echo") else self.fn  # echo: the trusted side's check that CUDA IPC works both ways
@@ -906,9 +908,9 @@ class Server:
             reply["hooks"] = [[i, "class" if a[0] is not b[0] else "hooks"]
                               for i, (a, b) in enumerate(zip(hooks, [_hooks(t) for t in args_t])) if a != b]
             reply["ret"] = pack(torch, ret, out_tensors)
-            if overlap:  # the trusted side's stream waits for this event: no sync here or there
+            if overlap is not None:  # the trusted side's stream waits for this event: no sync here or there
                 reply["run_s"] = time.perf_counter() - t_run  # the candidate's call, its launches
-                reply["done"] = self.record_done()
+                reply["done"] = self.record_done(overlap)
             else:
                 self.sync()  # an asynchronous kernel error surfaces here, and is the call's
                 reply["run_s"] = time.perf_counter() - t_run  # the candidate's call to its work done on the device
@@ -923,6 +925,10 @@ class Server:
                 n = len(out_tensors)
                 reply["late"] = [["ret", i] if i < n else ["arg", i - n] for i in late]
         except Exception as e:  # noqa: BLE001 - a CUDA error, or outputs this side cannot describe (no storage)
+            try:  # the candidate's work done before the trusted side reads back what it may have written
+                self.sync()
+            except Exception:  # noqa: BLE001 - a broken context: its error is the one said
+                pass
             return self.reply({"ok": False, "stage": "outputs", "error": error_info(e),
                                "state": reply.get("state") or {}, "changed": []})
         del ret, out_tensors
@@ -934,28 +940,32 @@ class Server:
             except Exception:  # noqa: BLE001 - said at the next call, if it matters
                 pass
 
-    def wait_ready(self, ready) -> bool:
+    def wait_ready(self, ready):
         """An overlapped call (client.KernelServer.overlap): `ready` is [device, handle] of the trusted side's
         interprocess event, recorded after it staged the inputs; this process's stream waits for it on the device
-        rather than the trusted side waiting on the host. False for a synchronous call (no `ready`)."""
+        rather than the trusted side waiting on the host. Returns the device, or None for a synchronous call (no
+        `ready`). Both events (theirs opened, ours made) before anything waits: a failure there is _NoEvents (the
+        platform's), a failure of the wait itself the CUDA error of an earlier call's kernels (the candidate's)."""
         if not ready:
-            return False
+            return None
         torch = self.torch
-        dev, handle = _int(ready[0]), str(ready[1])
-        ev = self.events.get((dev, handle))
-        if ev is None:
-            ev = self.events[(dev, handle)] = torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(handle))
+        try:
+            dev, handle = _int(ready[0]), str(ready[1])
+            ev = self.events.get((dev, handle))
+            if ev is None:
+                ev = self.events[(dev, handle)] = torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(handle))
+            if dev not in self.done:
+                ours = torch.cuda.Event(interprocess=True)
+                self.done[dev] = (ours, ours.ipc_handle().hex())
+        except Exception as e:  # noqa: BLE001 - whatever stops interprocess events here
+            raise _NoEvents(str(e)) from e
         torch.cuda.current_stream(dev).wait_event(ev)
-        return True
+        return dev
 
-    def record_done(self) -> list:
-        """[device, handle] of our interprocess event, recorded on the stream the candidate ran on: the trusted
+    def record_done(self, dev: int) -> list:
+        """[device, handle] of our interprocess event, recorded on the stream of the call's device: the trusted
         side's stream waits for it before it reads the outputs or the inputs the candidate may have written."""
         torch = self.torch
-        dev = torch.cuda.current_device()
-        if dev not in self.done:
-            ev = torch.cuda.Event(interprocess=True)
-            self.done[dev] = (ev, ev.ipc_handle().hex())
         ev, handle = self.done[dev]
         ev.record(torch.cuda.current_stream(dev))
         return [dev, handle]
@@ -1033,6 +1043,10 @@ class Server:
         self.tokens[key] = (weakref.ref(st, lambda r, k=key, d=self.tokens: d.get(k, (None,))[0] is r and d.pop(k)),
                             self.next_token)
         return self.next_token
+
+
+class _NoEvents(Exception):
+    """Interprocess CUDA events cannot be opened or made in this process (an overlapped call's first step)."""
 
 
 def _echo(x):
