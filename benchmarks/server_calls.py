@@ -19,9 +19,6 @@ import time
 import torch
 
 
-PROFILE = []  # --profile: the caller's Python, per function, of the timed calls (to stderr); off by default
-
-
 def inputs(recipe, vocab: int):
     from divergence.slots import fused_embed_rmsnorm as slot
 
@@ -31,16 +28,17 @@ def inputs(recipe, vocab: int):
     return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in x)
 
 
-def timed(fn, args, calls: int, work, reset=lambda: None) -> dict:
+def timed(fn, args, calls: int, work, reset=lambda: None, profile: bool = False) -> dict:
     """Host ms per call (the caller's), and wall ms per call of `calls` calls each after `work()`, synced once,
-    after 5 such calls (compilation, autotuning, the server's synchronous first calls) and then `reset()`."""
+    after 5 such calls (compilation, autotuning, the server's synchronous first calls) and then `reset()`.
+    `profile`: the caller's Python of the timed calls, per function, to stderr."""
     for _ in range(5):
         work()
         fn(*args)
     torch.cuda.synchronize()
     reset()
     host = 0.0
-    prof = cProfile.Profile() if PROFILE else None
+    prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     for _ in range(calls):
         work()
@@ -65,7 +63,6 @@ def main():
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="cProfile the timed calls of each mode, to stderr")
     args = ap.parse_args()
-    PROFILE[:] = [True] if args.profile else []
     if not torch.cuda.is_available():
         raise SystemExit("server_calls.py needs a CUDA GPU")
     from divergence.candidates.loader import load_candidate
@@ -98,7 +95,7 @@ def main():
         if remote is not None:
             remote.server.overlap = mode == "overlap"
         reset = (lambda: setattr(remote.server, "timing", CallTiming())) if remote is not None else (lambda: None)
-        out[mode] = timed(lambda *a: impl.fn(*a, vocab_size=vocab), x, args.calls, work, reset)
+        out[mode] = timed(lambda *a: impl.fn(*a, vocab_size=vocab), x, args.calls, work, reset, args.profile)
         if remote is not None:
             out[mode]["server"] = remote.server.timing.summary()
             remote.server.close()

@@ -134,7 +134,7 @@ class CallTiming:
     def summary(self) -> dict:
         steady = self.calls - self.FIRST_CALLS
         sums, n = (self.steady, steady) if steady > 0 else (self.all, max(1, self.calls))
-        return {"calls": self.calls, "overlapped": self.overlapped, "timed_calls": n if steady > 0 else self.calls,
+        return {"calls": self.calls, "overlapped": self.overlapped, "timed_calls": max(steady, 0) or self.calls,
                 **{f"{k}_ms_per_call": round(1000 * v / n, 3) for k, v in sums.items()}}
 
 

@@ -875,7 +875,7 @@ class Server:
         except Exception as e:  # noqa: BLE001 - a request this side cannot read: said, not fatal
             return self.reply({"ok": False, "stage": "request", "error": error_info(e)})
         try:
-            overlap = self.wait_ready(msg.get("ready"))
+            overlap_dev = self.wait_ready(msg.get("ready"))  # the call's device where it is overlapped
         except _NoEvents as e:  # no CUDA IPC events here: the trusted side asks again, synchronously
             return self.reply({"ok": False, "stage": "events", "error": error_info(e.__cause__ or e)})
         except Exception as e:  # noqa: BLE001 - the CUDA error of an earlier call's kernels, surfacing now
@@ -908,9 +908,9 @@ class Server:
             reply["hooks"] = [[i, "class" if a[0] is not b[0] else "hooks"]
                               for i, (a, b) in enumerate(zip(hooks, [_hooks(t) for t in args_t])) if a != b]
             reply["ret"] = pack(torch, ret, out_tensors)
-            if overlap is not None:  # the trusted side's stream waits for this event: no sync here or there
+            if overlap_dev is not None:  # the trusted side's stream waits for this event: no sync here or there
                 reply["run_s"] = time.perf_counter() - t_run  # the candidate's call, its launches
-                reply["done"] = self.record_done(overlap)
+                reply["done"] = self.record_done(overlap_dev)
             else:
                 self.sync()  # an asynchronous kernel error surfaces here, and is the call's
                 reply["run_s"] = time.perf_counter() - t_run  # the candidate's call to its work done on the device
