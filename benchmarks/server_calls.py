@@ -61,7 +61,8 @@ def main():
     ap.add_argument("--recipe", default="h200")
     ap.add_argument("--candidate", default="zoo:triton_embed_fp32")
     ap.add_argument("--calls", type=int, default=60)
-    ap.add_argument("--profile", action="store_true", help="cProfile the timed calls of each mode, to stderr")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the timed calls of each mode, the caller's and the server's, to stderr")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("server_calls.py needs a CUDA GPU")
@@ -94,10 +95,18 @@ def main():
         remote = getattr(impl.fn, "sandbox", None)
         if remote is not None:
             remote.server.overlap = mode == "overlap"
-        reset = (lambda: setattr(remote.server, "timing", CallTiming())) if remote is not None else (lambda: None)
+
+        def reset():
+            if remote is not None:
+                remote.server.timing = CallTiming()
+                if args.profile:
+                    remote.server.profile(True)
+
         out[mode] = timed(lambda *a: impl.fn(*a, vocab_size=vocab), x, args.calls, work, reset, args.profile)
         if remote is not None:
             out[mode]["server"] = remote.server.timing.summary()
+            if args.profile:
+                print(f"--- the server's side, {mode}:\n{remote.server.profile(False)}", file=sys.stderr)
             remote.server.close()
     print(json.dumps(out, indent=1))
 

@@ -393,6 +393,24 @@ def test_a_write_into_an_input_comes_back(tmp_path, sandbox_on):
     assert torch.equal(up, was * 0.5)
 
 
+def test_the_servers_side_of_its_calls_can_be_profiled_for_a_benchmark(tmp_path, sandbox_on):
+    """benchmarks/server_calls.py --profile: where the server's time goes, over the calls between on and off."""
+    impl = load_candidate("swiglu", write(tmp_path, "plain.py", """
+        def run(gate, up):
+            return gate * up
+        """))
+    server, (gate, up) = impl.fn.sandbox.server, swiglu_inputs()
+    impl.fn(gate, up)
+    assert server.profile(False) == ""  # never on: nothing
+    server.profile(True)
+    for _ in range(3):
+        assert torch.equal(impl.fn(gate, up), gate * up)
+    text = server.profile(False)
+    assert "function calls" in text and "receive_storages" in text and "pack_outputs" in text
+    assert server.profile(False) == ""  # off again
+    assert torch.equal(impl.fn(gate, up), gate * up)
+
+
 # ------------------------------------------------------------------------------------- errors, crashes, hangs
 
 

@@ -391,6 +391,12 @@ class KernelServer:
             self._take_state(h)
             return h
 
+    def profile(self, on: bool, top: int = 30) -> str:
+        """The server's calls under cProfile from now on (`on`), or its profile so far as text (benchmarks)."""
+        with self.lock:
+            self._send({"op": "profile", "on": on, "top": top})
+            return str(self._recv().get("text") or "")
+
     # -- calling
 
     def call(self, args: tuple, kwargs: dict, watch: float = 0.0, echo: bool = False) -> tuple:

@@ -670,6 +670,7 @@ class Server:
         self.events = {}  # (device, handle) -> the trusted side's "inputs ready" event, opened here once
         self.done = {}  # device -> (our interprocess "outputs ready" event, its handle): recorded after each
         # overlapped call
+        self.prof = None  # a cProfile.Profile while a benchmark asks (profile)
 
     def serve(self):
         hello = recv_header(self.conn)
@@ -701,13 +702,34 @@ class Server:
             if op == "load":
                 self.load(msg)
             elif op == "call":
-                self.call(msg)
+                if self.prof is not None:
+                    self.prof.runcall(self.call, msg)
+                else:
+                    self.call(msg)
+            elif op == "profile":
+                self.profile(msg)
             else:
                 os._exit(0)
             # A request refused half-read (an input this side could not map) leaves buffers behind it; read as
             # the next header they would end the server on a UnicodeDecodeError.
             for _ in range(max(0, _int(msg.get("nbuf", 0)) - self.taken)):
                 self.conn.recv_bytes()
+
+    def profile(self, msg):
+        """A benchmark's view of where this side's time goes (benchmarks/server_calls.py --profile): with `on`, the
+        calls from now on run under cProfile; without, the profile so far as text, and profiling ends."""
+        import cProfile
+        import io
+        import pstats
+
+        if msg.get("on"):
+            self.prof = cProfile.Profile()
+            return send(self.conn, {"ok": True})
+        text = io.StringIO()
+        if self.prof is not None:
+            pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(_int(msg.get("top", 30)))
+        self.prof = None
+        send(self.conn, {"ok": True, "text": text.getvalue()[-20000:]})
 
     # -- loading
 
