@@ -316,6 +316,31 @@ def test_probe_runs_at_the_declared_shapes_and_notes_generality(sol, tmp_path):
     assert not any(f["family"].startswith("other:") for f in bad["findings"])  # other shapes: the note only
 
 
+def test_the_declared_families_reuse_the_workloads_shapes_so_a_fixed_shape_compile_runs_once_per_shape():
+    """A kernel under torch.compile(dynamic=False) compiles once per input shape (seconds each at 4096 x 65,536):
+    the distribution families, batch-1 and the long run take shapes of the definition's workloads."""
+    from divergence.detect.probe.shapes import families
+
+    shapes = {"hidden": 4096, "vocab": 65536}
+    workloads = [{**shapes, "batch": b, "seq": s} for b, s in ((1, 128), (2, 1024), (4, 2048), (8, 4096))]
+
+    def token_shapes(wl):
+        fams = families(SLOT, "cuda", shapes, None, wl)[0]
+        got = {f.name: (f.shape["batch"], f.shape["seq"]) for f in fams if not f.name.startswith("other:")}
+        return got, set(got.values())
+
+    got, distinct = token_shapes(workloads)
+    assert got["zipf-1.1"] == got["uniform"] == got["corpus"] == got["one-id"] == (4, 2048)  # 8,192 tokens
+    assert got["batch-1"] == got["long-run"] == (1, 128)
+    assert distinct == {(1, 1), (1, 128), (2, 1024), (4, 2048), (8, 4096), (8, 16384)}  # the workloads, one token
+    # and the production-sized family; without workloads, the families' own shapes
+    got, distinct = token_shapes([])
+    assert got["zipf-1.1"] == (4, 1024) and got["batch-1"] == (1, 64) and got["long-run"] == (2, 16)
+    # none near enough: the distribution families keep their own (a workload of 128 tokens would hide the Zipf)
+    got, _ = token_shapes([{**shapes, "batch": 2, "seq": 64}, {**shapes, "batch": 64, "seq": 4096}])
+    assert got["zipf-1.1"] == (4, 1024) and got["batch-1"] == (1, 64) and got["long-run"] == (2, 64)
+
+
 def test_without_declared_shapes_a_hardcoded_kernel_gets_no_numerical_verdict(sol, tmp_path, capsys):
     res = run_probe(SLOT, "zoo:embed_hardcoded_hidden", tmp_path / "z", seed=1)
     assert res["verdict"] == "NEEDS-SHAPES"

@@ -35,6 +35,7 @@ CPU_ELEMENTS = 1 << 24
 # 4096 x 1024, 2.4 s at 65,536 x 4096 on the 2-core CPU (2026-11-27), so there it runs up to this many elements.
 LONG_CPU_ELEMENTS = 1 << 22
 MID_TOKENS = 4096  # the distribution families: a training step's worth of one sequence batch
+LONG_TOKENS = 1024  # the long run's calls at most: 3,000 of them
 OTHER = "other:"  # prefix of the families run at undeclared shapes, for the generality note
 GENERALITY = ("uniform", "odd", "hidden-72", "hidden-400", "hidden-4096")  # the embedding's shape families
 NEEDS_SHAPES = "NEEDS-SHAPES"
@@ -71,33 +72,53 @@ def _sparse_embed(name, ids_fn, batch, seq, hidden, vocab, **kw):
     return fam_inputs.Family(name, dict(batch=batch, seq=seq, hidden=hidden, vocab=vocab), build, **kw)
 
 
-def _embed_declared(shapes: dict, device: str, text) -> list:
-    """fused_embed_rmsnorm's distribution families at the declared hidden and vocab, 1 token to the largest."""
+def _embed_declared(shapes: dict, device: str, text, workloads=()) -> list:
+    """fused_embed_rmsnorm's distribution families at the declared hidden and vocab, 1 token to the largest;
+    `workloads`: the (batch, seq) of the workload families that run, whose shapes these reuse (_reused)."""
     from ...slots import SLOTS
 
     d = {**SLOTS["fused_embed_rmsnorm"].shapes, **shapes}
     H, V = d["hidden"], d["vocab"]
     top = shapes["batch"] * shapes["seq"] if "batch" in shapes and "seq" in shapes else _unbounded_tokens(H, device)
     mid = max(4, min(MID_TOKENS, top))
+    dist, one_row, small = _reused(workloads, (4, mid // 4))
     z = fam_inputs._zipf(1.1)
     e = _sparse_embed
     fams = [
-        e("uniform", fam_inputs.uniform_ids, 4, mid // 4, H, V, deep=True),
-        e("zipf-0.8", fam_inputs._zipf(0.8), 4, mid // 4, H, V),
-        e("zipf-1.1", z, 4, mid // 4, H, V, deep=True),
-        e("zipf-1.4", fam_inputs._zipf(1.4), 4, mid // 4, H, V),
-        e("one-id", fam_inputs.one_id, 4, mid // 4, H, V),  # the distribution families' shape: a compiled kernel compiles once for them
+        e("uniform", fam_inputs.uniform_ids, *dist, H, V, deep=True),
+        e("zipf-0.8", fam_inputs._zipf(0.8), *dist, H, V),
+        e("zipf-1.1", z, *dist, H, V, deep=True),
+        e("zipf-1.4", fam_inputs._zipf(1.4), *dist, H, V),
+        e("one-id", fam_inputs.one_id, *dist, H, V),  # the distribution families' shape: a compiled kernel compiles once for them
         e("one-token", fam_inputs.uniform_ids, 1, 1, H, V),
-        e("batch-1", z, 1, 64, H, V),
+        e("batch-1", z, *one_row, H, V),
     ]
     cv = text.vocab()
     if cv is not None and cv <= V:  # real-text ids fit the declared vocabulary (rows beyond stay unused)
-        fams.insert(4, e("corpus", text.ids, 4, mid // 4, H, V))
+        fams.insert(4, e("corpus", text.ids, *dist, H, V))
     batch = min(shapes.get("batch", 8), top)
     fams.append(e("largest", z, batch, top // batch, H, V))
-    if device != "cpu" or H * V <= LONG_CPU_ELEMENTS:  # 32 tokens a call: its cost is the V x H output
-        fams.append(fam_inputs.long_run(e("zipf-1.1", z, 2, 16, H, V)))
+    if device != "cpu" or H * V <= LONG_CPU_ELEMENTS:  # its cost is the V x H output, not its tokens
+        fams.append(fam_inputs.long_run(e("zipf-1.1", z, *small, H, V)))
     return fams
+
+
+def _reused(workloads, dist: tuple) -> tuple:
+    """((batch, seq) of the distribution families, of batch-1, of the long run): where the definition's workloads
+    run, shapes of theirs, so that a kernel compiled for fixed shapes (`torch.compile(dynamic=False)`, as most real
+    submissions are) compiles once per shape, not once more per family: each compile at 4096 x 65,536 is seconds.
+    The distribution families take the workload nearest MID_TOKENS tokens within a factor of 2 (the larger of
+    two as near: more contributions to the frequent rows); batch-1 the smallest workload of one sequence; the long
+    run (its cost is the V x H output it writes per call, not its tokens) the smallest workload of at most
+    LONG_TOKENS tokens. Without workloads: `dist`, (1, 64) and (2, 16)."""
+    import math
+
+    near = [w for w in workloads if MID_TOKENS // 2 <= w[0] * w[1] <= 2 * MID_TOKENS]
+    if near:
+        dist = min(near, key=lambda w: (abs(math.log(w[0] * w[1] / MID_TOKENS)), -w[0] * w[1], w))
+    ones = sorted((w for w in workloads if w[0] == 1), key=lambda w: w[1])
+    small = sorted((w for w in workloads if w[0] * w[1] <= LONG_TOKENS), key=lambda w: (w[0] * w[1], w))
+    return tuple(dist), tuple(ones[0]) if ones else (1, 64), tuple(small[0]) if small else (2, 16)
 
 
 def _unbounded_tokens(hidden: int, device: str) -> int:
@@ -153,11 +174,10 @@ def families(slot: str, device: str, shapes: Optional[dict], recipe=None, worklo
     if not shapes:
         return fams, notes, set()
     if slot == "fused_embed_rmsnorm":
-        declared = _embed_declared(shapes, device, text)
-        notes = [n for n in notes if not n.startswith("GPU-only")]  # the declared sweep has its own largest
-        if workloads:
-            wf, wnotes = _workload_families(workloads, device)
-            declared, notes = declared + wf, notes + wnotes
+        wf, wnotes = _workload_families(workloads or [], device)
+        declared = _embed_declared(shapes, device, text, [(f.shape["batch"], f.shape["seq"]) for f in wf])
+        notes = [n for n in notes if not n.startswith("GPU-only")] + wnotes  # the declared sweep has its own largest
+        declared = declared + wf
         if not any(f.calls > 1 for f in declared):
             notes.append(f"family long-run skipped on {device}: each of its {longrun.CALLS:,} calls writes a "
                          f"{declared[0].shape['vocab']:,} x {declared[0].shape['hidden']:,} gradient (run the "
