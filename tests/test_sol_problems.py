@@ -270,6 +270,20 @@ def test_088_the_probe_passes_rotate_half_and_fails_the_kernel_wrong_on_strided_
     assert {f["output"] for f in res["findings"]} == {"q_out", "k_out"}
 
 
+def test_088_compiled_arms_that_share_a_compile_cache_all_train(sol088, tmp_path, monkeypatch):
+    """The rope slot in declared fp32 breaks the compiled body with views of the qkv projection crossing the break;
+    such graphs read back from AOTAutograd's on-disk cache by a second arm rebuilt those views with garbage sizes
+    and crashed every arm but the first (model/transformer.py: compile_body). A compile cache of its own, empty."""
+    monkeypatch.setenv("DIVERGENCE_COMPILE_CACHE", str(tmp_path / "compile-cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    out = tmp_path / "ab"
+    main(["ab", "--candidate", str(sol088["rotate-half"]), "--recipe", "tiny", "--optimizers", "sgd", "--no-probe",
+          "--set", "train.steps=3", "--set", "train.compile=inductor", "--set", "ab.nulls=1", "--no-wandb",
+          "--out", str(out)])
+    status = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("sgd/*/arm.json")}
+    assert status == {"reference": "OK", "null-1": "OK", "candidate": "OK"}
+
+
 def test_088_the_adapter_calls_one_table_for_shared_positions_and_one_per_sequence_otherwise():
     adapt = PROBLEMS["rope_cos_sin"].adapt
     q, k, pos, inv = SLOTS["rope"].make_inputs(torch.Generator().manual_seed(0), "cpu", batch=3, head_dim=8)
