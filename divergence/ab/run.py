@@ -267,9 +267,14 @@ def _preflight(slot, cand, out, recipe, device, name: str = ""):
     limits = replace(DEFAULT, family_s=min(DEFAULT.family_s, recipe.ab.step_timeout_s))
     res = run_probe(slot, cand, out_dir=out / "probe", device=device, shapes=recipe.shapes or None, limits=limits,
                     recipe=recipe)
-    print(f"  {name + ': ' if name else ''}probe: {res['verdict']} ({len(res['findings'])} finding(s))"
-          + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))), flush=True)
+    print(probe_line(res, name), flush=True)
     return res
+
+
+def probe_line(res: dict, name: str = "") -> str:
+    """The probe's one printed line: its verdict, its count of findings and the notes on shapes."""
+    return (f"  {name + ': ' if name else ''}probe: {res['verdict']} ({len(res['findings'])} finding(s))"
+            + "".join(f"; {n}" for n in res["notes"] if n.startswith(("runs only", "cannot run"))))
 
 
 def judge_context(recipe, corpus, vocab: int) -> tuple:

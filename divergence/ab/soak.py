@@ -530,26 +530,32 @@ class _CellsAsTheyComplete:
 class _Probes:
     """Each candidate's probe (ab's preflight: the op against its float64 oracle over input families), once per
     candidate, at its shapes and first seed, into `<label>/probe/`, where its recipe asks for one (ab.probe). On CPU
-    one after another before any arm is forked (a fork must not inherit a probe's threads, as in `ab`); on a GPU
-    one at a time in a thread beside the arms: 40 at once would be 40 processes importing torch on the GPU the arms
-    train on. A probe that fails is its cells' probe error, not the soak's end."""
+    one after another before any arm is forked (a fork must not inherit a probe's threads, as in `ab`); on GPUs
+    beside the arms, each in a process of its own, probeproc.PER_GPU at a time on each visible GPU (probeproc.py).
+    A probe that fails is its cells' probe error, not the soak's end."""
 
     def __init__(self, cells, out: Path, device: str):
         from concurrent.futures import Future
 
+        from . import probeproc
         from .run import _preflight
+        from .runner import visible_gpus
 
         first = {}
         for cell in cells:
             first.setdefault(cell[5], cell)
         todo = [(label, cell) for label, cell in first.items() if cell[3].ab.probe]
         self.futures = {}
-        pool = ThreadPoolExecutor(max_workers=1) if device == "cuda" and todo else None
+        pool = gpus = None
+        if device == "cuda" and todo:
+            gpus = probeproc.GpuSlots(visible_gpus())
+            pool = ThreadPoolExecutor(max_workers=probeproc.PER_GPU * len(gpus.running))
         for label, (cand, _, _, recipe, _, _) in todo:
-            args = (cand["kernel"], cand["candidate"], out / label, recipe, device, cand["name"])
             if pool is not None:
-                self.futures[label] = pool.submit(_preflight, *args)
+                self.futures[label] = pool.submit(probeproc.run, cand["kernel"], cand["candidate"], out / label,
+                                                  recipe, cand["name"], gpus)
                 continue
+            args = (cand["kernel"], cand["candidate"], out / label, recipe, device, cand["name"])
             self.futures[label] = f = Future()
             try:
                 f.set_result(_preflight(*args))
