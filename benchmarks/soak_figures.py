@@ -28,7 +28,7 @@ def _arms(cell: Path):
         info = _read(a)
         mem = _read(a.parent / "gpu_memory.json").get("peak_reserved_bytes")
         metrics = a.parent / "metrics.jsonl"
-        ino = metrics.stat().st_ino if metrics.exists() else id(a)
+        ino = metrics.stat().st_ino if metrics.exists() else str(a.resolve())  # hard-linked into other cells: once
         yield f"{a.parent.parent.name}/{a.parent.name}", info, (mem / 2**30 if mem else None), ino
 
 

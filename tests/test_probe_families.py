@@ -6,6 +6,8 @@ passed by the synthetic families), while every known-good member, the reference 
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -163,3 +165,31 @@ def test_the_capture_watches_the_route_changing_slots_in_a_run_of_their_own():
     assert {rec["calls"] for rec in norm["records"]} == {2 * layers + 1}
     add, _ = captured.load_records("add_rmsnorm", r, "cpu")
     assert {rec["calls"] for rec in add["records"]} == {2 * layers}
+
+
+def test_probes_of_one_shape_at_once_train_one_capture(tmp_path, monkeypatch):
+    """A soak's probes run in parallel (ab/probeproc.py): two that miss the capture cache together train it once,
+    the second reading the first's files."""
+    import threading
+
+    r = captured.capture_recipe(None, "cpu")
+    monkeypatch.setattr(captured, "cache_folder", lambda recipe, device, slots=None: tmp_path / "cap")
+    runs = []
+
+    def slow_capture(recipe, device, folder, slots=None):
+        runs.append(1)
+        time.sleep(0.5)  # the other probe asks meanwhile
+        folder.mkdir(parents=True, exist_ok=True)
+        for s in slots or captured.capture_group(None):
+            captured._save(folder / f"{s}.pt", {"records": [], "recipe": recipe.name})
+        return {"seconds": 0.5, "folder": folder}
+
+    monkeypatch.setattr(captured, "capture", slow_capture)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(captured.load_records("rmsnorm", r, "cpu"))) for _ in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(runs) == 1 and len(got) == 2
+    assert sorted(len(notes) for _, notes in got) == [0, 1]  # the one that trained says so

@@ -3,6 +3,8 @@ line come back, a probe that dies is one line naming its log, and probes go to t
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,65 @@ def test_probes_go_to_the_gpu_with_the_fewest_running():
     slots.give("2")
     slots.give("2")
     assert slots.take() == "2" and slots.running == {"2": 1, "5": 1}
+
+
+def test_each_probe_process_gets_one_gpu_the_whole_request_and_this_working_folder(tmp_path, monkeypatch):
+    """The GPU path, without a GPU: what the child is started with (its GPU as CUDA_VISIBLE_DEVICES, the recipe
+    that comes back equal, the definition whose workloads it runs)."""
+    from divergence.recipe import recipe_from_dict
+
+    started = []
+
+    class Child:
+        pid = 0
+
+        def __init__(self, argv, **kw):
+            started.append((argv, kw))
+            req = json.loads(open(argv[-1]).read())
+            got = tmp_path / req["name"] / "probe"
+            got.mkdir(parents=True)
+            (got / "probe.json").write_text(json.dumps({"verdict": "PASS", "findings": [], "notes": []}))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(probeproc.subprocess, "Popen", Child)
+    recipe = load_recipe("tiny", {"shapes": {"hidden": 4096, "vocab": 65536}, "train": {"steps": 7}})
+    slots = probeproc.GpuSlots(["GPU-aa", "GPU-bb"])
+    for name in ("one", "two"):
+        assert probeproc.run("fused_embed_rmsnorm", "k.py", tmp_path / name, recipe, name, slots,
+                             definition="defs/definition.json")["verdict"] == "PASS"
+    (argv, kw), (_, kw2) = started
+    assert argv[1:3] == ["-m", "divergence.ab.probeproc"] and kw["start_new_session"]
+    assert (kw["env"]["CUDA_VISIBLE_DEVICES"], kw2["env"]["CUDA_VISIBLE_DEVICES"]) == ("GPU-aa", "GPU-aa")  # in turn
+    assert kw["cwd"] == str(Path.cwd())
+    req = json.loads(Path(argv[-1]).read_text())
+    assert (req["device"], req["definition"], req["candidate"]) == ("cuda", "defs/definition.json", "k.py")
+    assert recipe_from_dict(req["recipe"]) == recipe
+
+
+def test_the_preflight_probe_runs_the_definitions_workloads(monkeypatch, tmp_path):
+    """As `divergence probe` does: the soak's and the A/B's probe run each line of the workload file."""
+    import divergence.detect.probe as probe_pkg
+    from divergence.ab.run import _preflight
+
+    seen = {}
+
+    def fake(slot, cand, **kw):
+        seen.update(kw)
+        return {"verdict": "PASS", "findings": [], "notes": []}
+
+    monkeypatch.setattr(probe_pkg, "run_probe", fake)
+    recipe = load_recipe("tiny", {"shapes": {"hidden": 4096, "vocab": 65536}})
+    _preflight("fused_embed_rmsnorm", "k.py", tmp_path, recipe, "cpu", definition="benchmarks/sol087/definition.json")
+    assert [(w["batch"], w["seq"]) for w in seen["workloads"]] == [(1, 128), (2, 1024), (4, 2048), (8, 4096)]
+    _preflight("fused_embed_rmsnorm", "k.py", tmp_path, recipe, "cpu")
+    assert seen["workloads"] == []
+
+
+def test_a_soak_that_ends_kills_its_running_probes_and_starts_no_more(tmp_path):
+    slots = probeproc.GpuSlots(["0"])
+    proc = slots.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    slots.close()
+    assert proc.wait(timeout=10) < 0  # killed
+    assert slots.start([sys.executable, "-c", "pass"]) is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -35,11 +36,14 @@ LOG = "probe.log"
 
 
 class GpuSlots:
-    """Which visible GPU the next probe takes: the one with the fewest probes running."""
+    """Which visible GPU the next probe takes (the one with the fewest probes running), and the probes' processes,
+    which `close` ends with whatever they started."""
 
     def __init__(self, gpus: list):
         self.running = {g: 0 for g in gpus}
         self.lock = threading.Lock()
+        self.procs = set()
+        self.closed = False
 
     def take(self) -> str:
         with self.lock:
@@ -51,19 +55,48 @@ class GpuSlots:
         with self.lock:
             self.running[g] -= 1
 
+    def start(self, argv: list, **kw):
+        """A probe's process (a session of its own: a kill of its group reaches its workers), or None once closed."""
+        with self.lock:
+            if self.closed:
+                return None
+            proc = subprocess.Popen(argv, start_new_session=True, **kw)
+            self.procs.add(proc)
+            return proc
 
-def run(slot: str, cand: str, out: Path, recipe, name: str, slots: GpuSlots, device: str = "cuda") -> dict:
+    def close(self) -> None:
+        """No probe starts from now on; the running ones are killed (a soak that ends early, interrupted or not,
+        leaves none behind)."""
+        with self.lock:
+            self.closed = True
+            procs = list(self.procs)
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def run(slot: str, cand: str, out: Path, recipe, name: str, slots: GpuSlots, device: str = "cuda",
+        definition=None) -> dict:
     """The probe of `cand` (as run._preflight, on a GPU of `slots`), in a process of its own: its result."""
     out.mkdir(parents=True, exist_ok=True)
     req = out / REQUEST
     req.write_text(json.dumps({"slot": slot, "candidate": cand, "recipe": recipe.to_dict(), "name": name,
-                               "device": device, "parent": os.getpid()}))
+                               "definition": definition, "device": device, "parent": os.getpid()}))
     gpu = slots.take()
     try:
         with open(out / LOG, "w") as log:
-            rc = subprocess.call([sys.executable, "-m", "divergence.ab.probeproc", str(req)], stdout=log,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu), cwd=os.getcwd())
+            proc = slots.start([sys.executable, "-m", "divergence.ab.probeproc", str(req)], stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu), cwd=os.getcwd())
+            if proc is None:
+                raise UserError("not run: the soak ended first")
+            try:
+                rc = proc.wait()
+            finally:
+                with slots.lock:
+                    slots.procs.discard(proc)
     finally:
         slots.give(gpu)
     got = out / "probe" / "probe.json"
@@ -85,7 +118,8 @@ def main(argv=None) -> int:
     if os.getppid() != req["parent"]:  # (it died before that took effect)
         return 1
     recipe = recipe_from_dict(req["recipe"])
-    _preflight(req["slot"], req["candidate"], Path(args[0]).parent, recipe, req["device"], req["name"])
+    _preflight(req["slot"], req["candidate"], Path(args[0]).parent, recipe, req["device"], req["name"],
+               req["definition"])
     return 0
 
 

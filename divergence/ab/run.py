@@ -84,7 +84,7 @@ def cmd_ab(args, publish=None) -> int:
     from ..train.arm import resolve_device
 
     t_start = getattr(args, "started", None) or time.time()  # the command's start (cli.main), its imports included
-    out, slot, cand, recipe_src, opts, overrides, defn = _resumed(args) if args.resume else _asked(args)
+    out, slot, cand, recipe_src, opts, overrides, definition = _resumed(args) if args.resume else _asked(args)
     recipe = load_recipe(recipe_src, overrides)
     device = resolve_device(recipe)
     use_compile_cache(recipe)  # before any arm or server starts: they take it from the environment
@@ -108,12 +108,12 @@ def cmd_ab(args, publish=None) -> int:
             raise UserError(f"{out}: already holds an A/B run (plan.json); continue it with --resume {out}, or give "
                             "another --out")
         out.mkdir(parents=True, exist_ok=True)
-        write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=defn.path if defn else None)
+        write_plan(out, slot, cand, recipe, opts, overrides, stamp, definition=definition)
     print(f"divergence ab: {slot} <- {impl.name} ({impl.origin}), recipe {recipe.name}, optimizers {','.join(opts)}, "
           f"{recipe.train.steps} steps x {recipe.tokens_per_step} tokens, results in {out}", flush=True)
     for said in getattr(impl, "settings", None) or []:
         print(f"  note: the candidate {said}", flush=True)
-    probe, probing = _start_probe(args, slot, cand, out, recipe, device)
+    probe, probing = _start_probe(args, slot, cand, out, recipe, device, definition)
     vocab, arms, t0 = _train_arms(args, recipe, slot, cand, opts, out, device, corpus)
     probe, probe_error = _probe_outcome(probe, probing)
     return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error,
@@ -137,12 +137,13 @@ def _check_gpu_memory(recipe, corpus, opts) -> None:
 
 
 def _resumed(args) -> tuple:
-    """(out, slot, candidate, recipe source, optimizers, overrides, definition) of the run in --resume's folder."""
+    """(out, slot, candidate, recipe source, optimizers, overrides, definition path) of the run in --resume's
+    folder."""
     again = resume_overrides(getattr(args, "set", None), "run")  # how its arms run, e.g. ab.workers; not plan.json's
     out = Path(args.resume)
     plan = _load_plan(out)
     return (out, plan["kernel"], plan["candidate"], plan["recipe_path"], plan["optimizers"],
-            _merge(plan.get("overrides") or {}, again), None)
+            _merge(plan.get("overrides") or {}, again), plan.get("definition"))
 
 
 def _asked(args) -> tuple:
@@ -173,21 +174,22 @@ def _asked(args) -> tuple:
         overrides["shapes"] = {**base, **shapes}
         print(f"declared shapes {shape_words(overrides['shapes'])} "
               f"(from {source})", flush=True)
-    return None, slot, cand, recipe_src, None, overrides, defn
+    return None, slot, cand, recipe_src, None, overrides, defn.path if defn else None
 
 
-def _start_probe(args, slot, cand, out, recipe, device) -> tuple:
-    """(probe result, None) on CPU, (None, its future) on CUDA, (None, None) when the recipe or --no-probe skip it."""
+def _start_probe(args, slot, cand, out, recipe, device, definition=None) -> tuple:
+    """(probe result, None) on CPU, (None, its future) on CUDA, (None, None) when the recipe or --no-probe skip it.
+    `definition`: the candidate's definition.json, whose workloads the probe runs."""
     probe, probing = None, None
     if recipe.ab.probe and not getattr(args, "no_probe", False):
         if device == "cuda":
             # Beside the arms, which are processes of their own: its ~10 s (imports, kernel compiles, 14 input
             # families) overlap their start-up instead of delaying every arm.
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            probing = pool.submit(_preflight, slot, cand, out, recipe, device)
+            probing = pool.submit(_preflight, slot, cand, out, recipe, device, "", definition)
             pool.shutdown(wait=False)  # the thread ends with the probe
         else:  # before the arms are forked: a fork must not inherit a probe's threads
-            probe = _preflight(slot, cand, out, recipe, device)
+            probe = _preflight(slot, cand, out, recipe, device, "", definition)
     return probe, probing
 
 
@@ -252,21 +254,25 @@ def timing_line(timings: dict, publish_s: float, total_s: float) -> str:
             f"training arms, {timings['judge_s']:.0f} s judging, {publish_s:.0f} s report and wandb")
 
 
-def _preflight(slot, cand, out, recipe, device, name: str = ""):
+def _preflight(slot, cand, out, recipe, device, name: str = "", definition=None):
     """The probe of `cand` on the A/B's device, its captured families from the A/B's own recipe (its model, shapes,
     seed and data: captured.cache_folder keys the capture by it), so an A/B at production shapes is probed at its
-    own shapes and magnitudes, not at the probe's default recipe's. `name`: the candidate, in its printed line (a
-    soak probes many)."""
+    own shapes and magnitudes, not at the probe's default recipe's; with `definition` (a definition.json's path),
+    its workloads too, as `divergence probe` runs them. `name`: the candidate, in its printed line (a soak probes
+    many)."""
     from dataclasses import replace
 
+    from ..candidates.definition import load_definition
     from ..detect.probe import run_probe
     from ..detect.probe.isolate import DEFAULT
+    from ..detect.probe.shapes import workloads_of
 
     # A probe family is a handful of op calls, a training step dozens: no family may outlast the recipe's step
     # timeout, so a hanging candidate ends the probe within the recipe's timeouts too.
     limits = replace(DEFAULT, family_s=min(DEFAULT.family_s, recipe.ab.step_timeout_s))
+    workloads = workloads_of(load_definition(definition), slot, recipe.shapes or {}) if definition else []
     res = run_probe(slot, cand, out_dir=out / "probe", device=device, shapes=recipe.shapes or None, limits=limits,
-                    recipe=recipe)
+                    recipe=recipe, workloads=workloads)
     print(probe_line(res, name), flush=True)
     return res
 

@@ -192,7 +192,6 @@ def cmd_soak(args, publish=None) -> int:
     from .run import _workers, check_optimizers
     from .compilecache import use_compile_cache
     from .runner import start_server_early
-    from ..detect.distances import ArmFiles
     from ..recipe import load_recipe
     from ..train.arm import resolve_device
 
@@ -223,6 +222,18 @@ def cmd_soak(args, publish=None) -> int:
     print(f"divergence soak: {len(soak['candidates'])} candidate(s) x {len(opts)} optimizer(s) x "
           f"{len(soak['seeds'])} seed(s) = {len(jobs)} arms ({where}), results in {out}", flush=True)
     probes = _Probes(cells, out, device)  # on CPU they run here, before any arm is forked
+    try:
+        return _run_cells(args, publish, soak, out, opts, base, cells, jobs, corpora, device, workers, backend,
+                          address, gpus, probes)
+    finally:
+        probes.close()
+
+
+def _run_cells(args, publish, soak, out, opts, base, cells, jobs, corpora, device, workers, backend, address, gpus,
+               probes) -> int:
+    """The soak's arms, its cells judged as they complete and the rest after, its table and files: the exit code."""
+    from ..detect.distances import ArmFiles
+
     t0, ran = time.time(), set()
     files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
     judging = _CellsAsTheyComplete(cells, jobs, out, lambda cell, arms: _judge_cell(
@@ -546,16 +557,16 @@ class _Probes:
             first.setdefault(cell[5], cell)
         todo = [(label, cell) for label, cell in first.items() if cell[3].ab.probe]
         self.futures = {}
-        pool = gpus = None
+        pool = gpus = self.pool = self.gpus = None
         if device == "cuda" and todo:
-            gpus = probeproc.GpuSlots(visible_gpus())
-            pool = ThreadPoolExecutor(max_workers=probeproc.PER_GPU * len(gpus.running))
+            gpus = self.gpus = probeproc.GpuSlots(visible_gpus())
+            pool = self.pool = ThreadPoolExecutor(max_workers=probeproc.PER_GPU * len(gpus.running))
         for label, (cand, _, _, recipe, _, _) in todo:
             if pool is not None:
                 self.futures[label] = pool.submit(probeproc.run, cand["kernel"], cand["candidate"], out / label,
-                                                  recipe, cand["name"], gpus)
+                                                  recipe, cand["name"], gpus, device, cand["definition"])
                 continue
-            args = (cand["kernel"], cand["candidate"], out / label, recipe, device, cand["name"])
+            args = (cand["kernel"], cand["candidate"], out / label, recipe, device, cand["name"], cand["definition"])
             self.futures[label] = f = Future()
             try:
                 f.set_result(_preflight(*args))
@@ -563,6 +574,12 @@ class _Probes:
                 f.set_exception(e)
         if pool is not None:
             pool.shutdown(wait=False)  # its thread ends with the last probe
+
+    def close(self) -> None:
+        """The soak ends: probes not started yet never start, running ones are killed (none where all are in)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.gpus.close()
 
     def ready(self, label: str) -> bool:
         f = self.futures.get(label)

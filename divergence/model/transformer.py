@@ -177,15 +177,21 @@ class Transformer(nn.Module):
         fused with their neighbours; every other slot call breaks the graph (`torch.compiler.disable` in ops.py),
         so a candidate runs as written, never traced or rewritten. `cudagraphs=False`: without the spec's CUDA
         graphs (an arm whose whole step is captured: train/stepgraph.py)."""
+        body = torch.compile(self._body, dynamic=False, **compile_options(spec, cudagraphs))
+        self.body = body
         if any(not self.kernels.is_plain(s) for s in self.kernels.impls if s != "fused_embed_rmsnorm"):
             # The body breaks at a slot call, and views of one intermediate cross the break (q, k and v of the qkv
             # projection at the `rope` slot): a graph whose outputs are such views, read back from AOTAutograd's
             # on-disk cache by the next arm, rebuilt them with garbage sizes ("invalid shape dimension
             # -614111580149761574 at index 1 of shape [94736951674613, -614111580149761574, 384]", or a segfault),
             # torch 2.13 on the CPU and 2.11 on an H100 alike; the graph compiled afresh in the same process works.
-            # Without that cache such arms trace their graphs again; inductor's own cache still spares the kernels.
-            torch._functorch.config.enable_autograd_cache = False
-        self.body = torch.compile(self._body, dynamic=False, **compile_options(spec, cudagraphs))
+            # Such a body compiles (at its first call, and again at a new shape) without that cache: it traces its
+            # graphs again, inductor's own cache still spares the kernels.
+            def uncached(*args):
+                with torch._functorch.config.patch(enable_autograd_cache=False):
+                    return body(*args)
+
+            self.body = uncached
         self.compiled_embed = CompiledEmbed(compile_options(spec, cudagraphs=False), self.vocab_size)
 
     def forward(self, ids, targets=None, loss_rows=None):

@@ -16,6 +16,7 @@ code that produces them, and written atomically: the second probe of a slot cost
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -235,10 +236,30 @@ def load_records(slot: str, recipe, device: str) -> tuple:
     path = folder / f"{slot}.pt"
     notes = []
     if not path.is_file():
-        got = capture(recipe, device, folder, group)
-        notes.append(f"captured live inputs: trained recipe {recipe.name} for {recipe.train.steps} steps on "
-                     f"{device} in {got['seconds']:.1f} s, cached in {got['folder']} for the next probe")
+        with _one_at_a_time(folder):  # a soak's probes of one shape run at once: one trains, the rest read its files
+            if not path.is_file():
+                got = capture(recipe, device, folder, group)
+                notes.append(f"captured live inputs: trained recipe {recipe.name} for {recipe.train.steps} steps "
+                             f"on {device} in {got['seconds']:.1f} s, cached in {got['folder']} for the next probe")
     return torch.load(path, weights_only=True), notes
+
+
+@contextlib.contextmanager
+def _one_at_a_time(folder: Path):
+    """An exclusive lock on `folder`'s capture (a file beside it), held until the capture is written; none where
+    the platform has no flock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------------------------------- families
