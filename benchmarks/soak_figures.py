@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from divergence.ab.soak import _shape_words
+
 
 def _read(p: Path) -> dict:
     try:
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         walls = [a["process_s"] or a["wall_s"] for a in arms if (a["process_s"] or a["wall_s"])]
         reserved = [a["reserved_gib"] for a in arms if a["reserved_gib"] is not None]
         allocated = [a["allocated_gib"] for a in arms if a["allocated_gib"] is not None]
-        shapes = ", ".join(f"{k}={v}" for k, v in sorted(g["shapes"].items())) or "the recipe's own"
+        shapes = _shape_words(g["shapes"]) or "the recipe's own"
         print(f"{g['slot']} ({shapes}): {len(arms)} arms, arm-seconds {sum(walls):.0f} "
               f"(longest {_fmt(max(walls, default=None), '{:.0f}')} s), peak reserved "
               f"{_fmt(max(reserved, default=None))} GiB, allocated {_fmt(max(allocated, default=None))} GiB")
