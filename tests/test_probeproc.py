@@ -106,3 +106,36 @@ def test_a_soak_that_ends_kills_its_running_probes_and_starts_no_more(tmp_path):
     slots.close()
     assert proc.wait(timeout=10) < 0  # killed
     assert slots.start([sys.executable, "-c", "pass"]) is None
+
+
+def test_a_soaks_probes_on_gpus_go_through_processes_and_come_back_to_their_cells(tmp_path, monkeypatch, capsys):
+    """soak._Probes on "cuda" (here two pretend GPUs, the children probing on the CPU): every candidate's probe in
+    a process of its own, its result where the cell asks for it, its one line printed; a failing one is that
+    cell's probe error; close() after the last changes nothing."""
+    from divergence.ab import runner, soak as soak_mod
+
+    (tmp_path / "s.yaml").write_text(
+        "name: t\nrecipe: tiny\noverrides: {ab: {probe: true}}\noptimizers: [sgd]\nseeds: [0]\ncandidates:\n"
+        "  - {kernel: fused_embed_rmsnorm, candidate: zoo:embed_bf16_accum}\n"
+        "  - {kernel: fused_embed_rmsnorm, candidate: zoo:embed_fp64_accum}\n")
+    soak = soak_mod.load_soak(tmp_path / "s.yaml")
+    cells, _ = soak_mod._plan_cells(soak, tmp_path / "out", ["sgd"], "cpu")
+    monkeypatch.setattr(runner, "visible_gpus", lambda: ["7", "8"])
+    real = probeproc.run
+
+    def on_cpu(slot, cand, out, recipe, name, slots, device="cuda", definition=None):
+        assert device == "cuda" and sorted(slots.running) == ["7", "8"]
+        if cand == "zoo:embed_fp64_accum":
+            cand = str(tmp_path / "missing.py")  # its process fails: the cell's probe error
+        return real(slot, cand, out, recipe, name, slots, device="cpu", definition=definition)
+
+    monkeypatch.setattr(probeproc, "run", on_cpu)
+    probes = soak_mod._Probes(cells, tmp_path / "out", "cuda")
+    labels = [c[5] for c in cells]
+    res, err = probes.outcome(labels[0])
+    assert err is None and res["verdict"] == "FAIL"
+    res, err = probes.outcome(labels[1])
+    assert res is None and err.startswith("the probe failed: UserError: its process ended with exit code")
+    probes.close()
+    assert probes.gpus.closed and not probes.gpus.procs
+    assert capsys.readouterr().out.count("probe: FAIL (") == 1
