@@ -66,6 +66,10 @@ class GpuSlots:
             self.procs.add(proc)
             return proc
 
+    def ended(self, proc) -> None:
+        with self.lock:
+            self.procs.discard(proc)
+
     def close(self) -> None:
         """No probe starts from now on; the running ones are killed (a soak that ends early, interrupted or not,
         leaves none behind)."""
@@ -97,8 +101,7 @@ def run(slot: str, cand: str, out: Path, recipe, name: str, slots: GpuSlots, dev
             try:
                 rc = proc.wait()
             finally:
-                with slots.lock:
-                    slots.procs.discard(proc)
+                slots.ended(proc)
     finally:
         slots.give(gpu)
     got = out / "probe" / "probe.json"

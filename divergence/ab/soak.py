@@ -557,14 +557,14 @@ class _Probes:
             first.setdefault(cell[5], cell)
         todo = [(label, cell) for label, cell in first.items() if cell[3].ab.probe]
         self.futures = {}
-        pool = gpus = self.pool = self.gpus = None
+        self.pool = self.gpus = None
         if device == "cuda" and todo:
-            gpus = self.gpus = probeproc.GpuSlots(visible_gpus())
-            pool = self.pool = ThreadPoolExecutor(max_workers=probeproc.PER_GPU * len(gpus.running))
+            self.gpus = probeproc.GpuSlots(visible_gpus())
+            self.pool = ThreadPoolExecutor(max_workers=probeproc.PER_GPU * len(self.gpus.running))
         for label, (cand, _, _, recipe, _, _) in todo:
-            if pool is not None:
-                self.futures[label] = pool.submit(probeproc.run, cand["kernel"], cand["candidate"], out / label,
-                                                  recipe, cand["name"], gpus, device, cand["definition"])
+            if self.pool is not None:
+                self.futures[label] = self.pool.submit(probeproc.run, cand["kernel"], cand["candidate"], out / label,
+                                                       recipe, cand["name"], self.gpus, device, cand["definition"])
                 continue
             args = (cand["kernel"], cand["candidate"], out / label, recipe, device, cand["name"], cand["definition"])
             self.futures[label] = f = Future()
@@ -572,8 +572,8 @@ class _Probes:
                 f.set_result(_preflight(*args))
             except Exception as e:
                 f.set_exception(e)
-        if pool is not None:
-            pool.shutdown(wait=False)  # its thread ends with the last probe
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)  # its threads end with the last probe
 
     def close(self) -> None:
         """The soak ends: probes not started yet never start, running ones are killed (none where all are in)."""

@@ -186,9 +186,12 @@ class Transformer(nn.Module):
             # -614111580149761574 at index 1 of shape [94736951674613, -614111580149761574, 384]", or a segfault),
             # torch 2.13 on the CPU and 2.11 on an H100 alike; the graph compiled afresh in the same process works.
             # Such a body compiles (at its first call, and again at a new shape) without that cache: it traces its
-            # graphs again, inductor's own cache still spares the kernels.
+            # graphs again, inductor's own cache still spares the kernels. (The switch around every call, 20 us on
+            # the CPU, since a compile comes at whichever call meets a new shape.)
+            import torch._functorch.config as functorch_config
+
             def uncached(*args):
-                with torch._functorch.config.patch(enable_autograd_cache=False):
+                with functorch_config.patch(enable_autograd_cache=False):
                     return body(*args)
 
             self.body = uncached

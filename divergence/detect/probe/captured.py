@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl  # (POSIX only, as gpu.py's locks)
 import hashlib
 import json
 import math
@@ -246,13 +247,7 @@ def load_records(slot: str, recipe, device: str) -> tuple:
 
 @contextlib.contextmanager
 def _one_at_a_time(folder: Path):
-    """An exclusive lock on `folder`'s capture (a file beside it), held until the capture is written; none where
-    the platform has no flock."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+    """An exclusive lock on `folder`'s capture (a file beside it), held until the capture is written."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
