@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from divergence.detect.probe import call as probe_call
 from divergence.detect.probe import inputs as probe_inputs
@@ -139,3 +140,39 @@ def test_at_declared_shapes_both_run_there_and_count(tmp_path):
                     only=["largest"])
     assert big["verdict"] == "FAIL" and {f["family"] for f in big["findings"]} == {"largest"}
     assert big["families"][0]["shape"].startswith("batch=8 seq=16384 hidden=128")
+
+
+def test_only_the_judged_calls_of_the_long_run_wait_for_the_device(monkeypatch):
+    """Unjudged calls go unsynchronised (a kernel server's ordered by CUDA events): synchronous, 3,000 calls beside a
+    soak's training arms took most of the probe's time budget on a GPU."""
+    from divergence.detect.probe.call import _unsynchronised
+
+    fam = probe_inputs.long_run(probe_inputs.families(SLOT, "cpu")[0][0])
+    synced = []
+
+    class Prep:
+        def get(self, contract, fam, seed, device, again=False):
+            case = type("Case", (), {"inputs": (torch.zeros(2),), "rows": None})()
+            return case, None, None
+
+    def call(inputs, sync=True):
+        synced.append(sync)
+        return (inputs[0],)
+
+    monkeypatch.setattr(longrun.checks, "accuracy", lambda *a: ([], None))
+    assert longrun.long_run(SLOTS[SLOT], fam, SEED, "cpu", False, Prep(), call, None) == []
+    assert [k + 1 for k, s in enumerate(synced) if s] == [k for k in range(1, fam.calls + 1)
+                                                           if longrun.checked(k, fam.calls)]
+    assert synced.count(False) == fam.calls - 63
+
+    class Server:
+        overlap = False
+
+    remote = type("Remote", (), {"server": Server()})()
+    watched = type("Watch", (), {"fn": type("Fn", (), {"sandbox": remote})()})()
+    seen = []
+    with _unsynchronised(watched):
+        seen.append(remote.server.overlap)
+    assert seen == [True] and remote.server.overlap is False
+    with _unsynchronised(lambda: None):  # in-process: nothing to switch
+        pass

@@ -29,19 +29,21 @@ def checked(k: int, calls: int) -> bool:
 
 def long_run(contract, fam, seed, device, destination, prepared, call, failed) -> list:
     """The family's findings: the first judged call that breaks the rule (or raises), named by its number, with
-    the last call that was judged right. `call(inputs)` runs the candidate (call.py's, synchronised on CUDA);
-    `failed(e, when)` words an exception."""
+    the last call that was judged right. `call(inputs, sync)` runs the candidate (call.py's); on CUDA only the
+    judged calls wait for the device (`sync`), so an asynchronous fault shows at the next judged call at the
+    latest. `failed(e, when)` words an exception."""
     draws = [prepared.get(contract, fam, seed, device), prepared.get(contract, fam, seed, device, again=True)]
     good = 0  # the last judged call that was right
     with torch.no_grad():
         for k in range(1, fam.calls + 1):
             case, orc, ref = draws[k % 2]
             given = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in case.inputs)
+            judged = checked(k, fam.calls)
             try:
-                out = call(given)
+                out = call(given, sync=judged)
             except Exception as e:
                 return [failed(e, f"call {k} of {fam.calls}{_since(good)}: ")]
-            if not checked(k, fam.calls):
+            if not judged:
                 continue
             found, _ = checks.accuracy(contract, out, ref, orc, case.rows, destination)
             if found:
