@@ -3,13 +3,15 @@ lockstep check rides on.
 
     python benchmarks/lockstep_records.py record OUT.json.gz [--seeds 0,1] [--steps 200] [--only good|bad|all]
     python benchmarks/lockstep_records.py soak SOAK_DIR OUT.json.gz    # from a calibrate.py soak (GPU runs)
+    python benchmarks/lockstep_records.py soak SOAK_DIR OUT.json.gz --good '*fp32*'   # any soak of solution files
     python benchmarks/lockstep_records.py judge DUMP.json.gz...
 
 `record` trains, for every slot, the candidate arm of each known-good implementation (the zoo's `good` members
 this device runs, and null-K: distinct, equally correct implementations) under each optimizer, with the lockstep
 check on every step, and keeps each checked step's score (the worst call's err_candidate / (RATIO x err_reference +
 floor)) and ratio (err_candidate / err_reference). `soak` keeps the same from the candidate arms of a finished
-calibration soak (benchmarks/calibrate.py OUT/soak). `judge` re-judges every record with divergence/rule.py's
+calibration soak (benchmarks/calibrate.py OUT/soak), or of any soak whose known-good candidates `--good` names
+(shell patterns on the solution's path or the candidate's spec; repeatable). `judge` re-judges every record with divergence/rule.py's
 record_judgement and prints each known-good record flagged, how close the others came to each of the rule's
 constants, and the count; a record of a known-bad candidate (the zoo's `bad`) is printed with the step it was
 caught at. Exit 1 when a known-good record is flagged.
@@ -98,11 +100,16 @@ def record(args) -> int:
                         "ab": {"lockstep_every": 1}}
                 if cap is not None:
                     over["model"] = {"attn_softcap": cap}
+                if slot == "geglu":  # the model calls the slot it is built with (recipe model.mlp)
+                    over.setdefault("model", {})["mlp"] = "geglu"
                 folder = work / key.replace(":", "_")
                 info = run_arm(load_recipe(args.recipe, over), ArmSpec("candidate", opt, {slot: cand}, lockstep=slot),
                                folder, progress=False, watcher=Lockstep)
                 rows = read_metrics(folder / "metrics.jsonl")
                 out[key] = {"good": good, "status": info.get("status"), **_series(rows)}
+                if not out[key]["steps"]:
+                    print(f"{key}: no checked step (the recipe's model never called {slot})", flush=True)
+                _write(Path(args.out), {"_meta": {"partial": True}, **out})  # what a stopped run has is kept
                 print(f"{key:<58} {info.get('status')} {len(out[key]['steps'])} steps  ({time.time() - t0:.0f} s)",
                       flush=True)
     meta = {"recipe": args.recipe, "softcap": cap, "steps": args.steps, "torch": torch.__version__,
@@ -114,7 +121,10 @@ def record(args) -> int:
 
 
 def soak(args) -> int:
-    """The candidate arms' lockstep series of a calibrate.py soak folder."""
+    """The candidate arms' lockstep series of a soak folder: a zoo member is good by the zoo's word, null-K always,
+    any other candidate where one of `args.good`'s patterns matches its spec (a solution file's path)."""
+    from fnmatch import fnmatch
+
     from divergence.train.metrics import read_metrics
     from divergence.zoo import ZOO
 
@@ -123,7 +133,8 @@ def soak(args) -> int:
         cell, plan = plan_f.parent, json.loads(plan_f.read_text())
         cand, seed = plan.get("candidate"), plan.get("overrides", {}).get("seed")
         entry = ZOO.get(cand[4:]) if cand.startswith("zoo:") else None
-        good = entry.verdict == "good" if entry else cand.startswith("null-")
+        good = (entry.verdict == "good" if entry else cand.startswith("null-")
+                or any(fnmatch(cand, g) for g in args.good or ()))
         for m in sorted(cell.glob("*/candidate/metrics.jsonl")):
             s = _series(read_metrics(m))
             if s["steps"]:
@@ -211,6 +222,8 @@ def main(argv=None) -> int:
     s = sub.add_parser("soak", help="the candidate arms' records of a calibrate.py soak folder")
     s.add_argument("soak")
     s.add_argument("out")
+    s.add_argument("--good", action="append", metavar="PATTERN",
+                   help="a known-good candidate: a shell pattern on its spec, e.g. '*/fp32-*/solution.json'")
     j = sub.add_parser("judge", help="re-judge records with divergence/rule.py")
     j.add_argument("dumps", nargs="+")
     j.add_argument("--all", action="store_true", help="print every record, not only the flagged ones")
