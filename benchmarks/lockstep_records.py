@@ -102,9 +102,15 @@ def record(args) -> int:
                     over["model"] = {"attn_softcap": cap}
                 if slot == "geglu":  # the model calls the slot it is built with (recipe model.mlp)
                     over.setdefault("model", {})["mlp"] = "geglu"
+                if slot == "attn_softcap" and cap is None and not base.model.attn_softcap:
+                    over.setdefault("model", {})["attn_softcap"] = 50.0  # Gemma 2's; without one it is never called
                 folder = work / key.replace(":", "_")
-                info = run_arm(load_recipe(args.recipe, over), ArmSpec("candidate", opt, {slot: cand}, lockstep=slot),
-                               folder, progress=False, watcher=Lockstep)
+                if torch.cuda.is_available():  # each arm in a process of its own, as an A/B runs it
+                    info = _arm_in_process(args.recipe, over, opt, slot, cand, folder)
+                else:
+                    info = run_arm(load_recipe(args.recipe, over),
+                                   ArmSpec("candidate", opt, {slot: cand}, lockstep=slot), folder, progress=False,
+                                   watcher=Lockstep)
                 rows = read_metrics(folder / "metrics.jsonl")
                 out[key] = {"good": good, "status": info.get("status"), **_series(rows)}
                 if not out[key]["steps"]:
@@ -117,6 +123,43 @@ def record(args) -> int:
             "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - t0)}
     _write(Path(args.out), {"_meta": meta, **out})
     print(f"{len(out)} records to {args.out}")
+    return 0
+
+
+def _arm_in_process(recipe: str, over: dict, opt: str, slot: str, cand: str, folder: Path) -> dict:
+    """One candidate arm in a child process (`arm` below): arm.json's record, or CRASH with the child's last error
+    line. On an H100 (2026-11-28) arms run one after another in one process crashed after the first of several
+    per-layer slots (compiled bodies and CUDA graphs of the earlier arms kept in the process; their logs were
+    not kept); an A/B never does that, each of its arms is a process of its own."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    job = json.dumps({"recipe": recipe, "over": over, "opt": opt, "slot": slot, "cand": cand, "folder": str(folder)})
+    with open(folder / "process.log", "w") as log:
+        rc = subprocess.run([sys.executable, __file__, "arm", job], stdout=log, stderr=subprocess.STDOUT).returncode
+    try:
+        info = json.loads((folder / "arm.json").read_text())
+    except (OSError, ValueError):
+        info = {}
+    if rc != 0 or info.get("status") in (None, "RUNNING"):
+        lines = [ln for ln in (folder / "process.log").read_text(errors="replace").splitlines() if ln.strip()]
+        last = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+        info = {**info, "status": "CRASH" if info.get("status") in (None, "RUNNING") else info["status"]}
+        print(f"  {folder.name}: exit {rc}: {last.strip()[:300] or 'no output'} ({folder / 'process.log'})",
+              flush=True)
+    return info
+
+
+def arm(args) -> int:
+    """One arm of `record`, in this process."""
+    from divergence.detect.lockstep import Lockstep
+    from divergence.recipe import load_recipe
+    from divergence.train.arm import ArmSpec, run_arm
+
+    j = json.loads(args.job)
+    run_arm(load_recipe(j["recipe"], j["over"]), ArmSpec("candidate", j["opt"], {j["slot"]: j["cand"]},
+                                                         lockstep=j["slot"]),
+            Path(j["folder"]), progress=False, watcher=Lockstep)
     return 0
 
 
@@ -174,20 +217,22 @@ def closest(steps, scores, ratios) -> dict:
 
 def judge(args) -> int:
     recs = load(args.dumps)
-    goods = bads = caught = fp = 0
+    goods = bads = caught = fp = empty = 0
     worst = {"max_score": (0.0, ""), "max_window_over": (0, ""), "max_median": (0.0, "")}
     for key, r in sorted(recs.items()):
         got = rule.record_judgement(r["steps"], [float(x) for x in r["ratio"]], [float(x) for x in r["score"]])
         near = closest(r["steps"], [float(x) for x in r["score"]], [float(x) for x in r["ratio"]])
+        if not r["steps"]:  # an arm that crashed or never called the slot: no record, counted apart
+            empty += 1
+            print(f"{key:<58} no checked step (arm {r.get('status')})")
+            continue
         if r["good"]:
             goods, fp = goods + 1, fp + got["wrong"]
             for k in worst:
                 worst[k] = max(worst[k], (near[k], key))
         else:
             bads, caught = bads + 1, caught + got["wrong"]
-        if not r["steps"]:
-            print(f"{key:<58} no checked step (arm {r.get('status')})")
-        elif got["wrong"] or args.all:
+        if got["wrong"] or args.all:
             print(f"{key:<58} {'known-good' if r['good'] else 'known-bad'}: "
                   f"{'FLAGGED (' + got['why'] + ')' if got['wrong'] else 'pass'}; {len(r['steps'])} steps, "
                   f"{near['over']} over, largest score {near['max_score']:.3g} at step {near['at']}"
@@ -195,7 +240,8 @@ def judge(args) -> int:
     print(f"\nrule: a step over the limit by {rule.SPIKE:g}x, or {rule.OVER_COUNT} of {rule.OVER_WINDOW} checked steps "
           f"over it, or a median ratio over {rule.RECORD_RATIO:g}x after {rule.MIN_RECORD_STEPS} steps")
     print(f"known-good records flagged: {fp} of {goods}; known-bad records flagged: {caught} of {bads} (the others "
-          "are the verdict's other checks' to catch: a crash, a written input, changed global state, the probe)")
+          "are the verdict's other checks' to catch: a crash, a written input, changed global state, the probe)"
+          + (f"; {empty} without a checked step, not counted" if empty else ""))
     print(f"closest known-good: largest step score {worst['max_score'][0]:.3g} ({worst['max_score'][1]}); "
           f"most steps over the limit in {rule.OVER_WINDOW}: {worst['max_window_over'][0]}"
           f"{' (' + worst['max_window_over'][1] + ')' if worst['max_window_over'][0] else ''}; "
@@ -227,8 +273,10 @@ def main(argv=None) -> int:
     j = sub.add_parser("judge", help="re-judge records with divergence/rule.py")
     j.add_argument("dumps", nargs="+")
     j.add_argument("--all", action="store_true", help="print every record, not only the flagged ones")
+    one = sub.add_parser("arm", help="(record's own) one arm, described by a JSON job")
+    one.add_argument("job")
     a = ap.parse_args(argv)
-    return {"record": record, "soak": soak, "judge": judge}[a.cmd](a)
+    return {"record": record, "soak": soak, "judge": judge, "arm": arm}[a.cmd](a)
 
 
 if __name__ == "__main__":

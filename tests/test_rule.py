@@ -133,3 +133,47 @@ def test_the_records_script_counts_known_good_records_the_rule_flags(tmp_path, c
     assert lockstep_records.main(["judge", str(tmp_path / "b.json.gz")]) == 1
     out = capsys.readouterr().out
     assert "seed-0/adamw/fused_embed_rmsnorm/null-6" in out and "known-good records flagged: 1 of 2" in out, out
+
+
+def test_the_records_script_takes_known_good_solution_files_by_pattern_and_counts_empty_records_apart(tmp_path,
+                                                                                                      capsys):
+    """A soak of solution files: `--good` names the known-good ones; an arm with no checked step (it crashed, or
+    the model never called the slot) is no known-good record passed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import lockstep_records
+
+    soak = tmp_path / "soak"
+    _soak_cell(soak, "00-a", "runs/fp32-dps/solution.json", [0.45] * 60)
+    _soak_cell(soak, "01-b", "runs/bf16-atomics/solution.json", _every_third(60))
+    dump = str(tmp_path / "a.json.gz")
+    assert lockstep_records.main(["soak", str(soak), dump, "--good", "*/fp32-*"]) == 0
+    assert lockstep_records.main(["judge", dump]) == 0
+    out = capsys.readouterr().out
+    assert "known-good records flagged: 0 of 1; known-bad records flagged: 1 of 1" in out, out
+    crashed = str(tmp_path / "b.json.gz")  # as `record` keeps an arm that crashed before its first step
+    lockstep_records._write(Path(crashed), {"seed-0/sgd/geglu/null-2": {"good": True, "status": "CRASH", "steps": [],
+                                                                        "score": [], "ratio": []}})
+    assert lockstep_records.main(["judge", dump, crashed]) == 0
+    out = capsys.readouterr().out
+    assert ("known-good records flagged: 0 of 1; known-bad records flagged: 1 of 1" in out
+            and "1 without a checked step, not counted" in out), out
+
+
+def test_the_records_script_runs_an_arm_in_a_process_of_its_own(tmp_path):
+    """`record` on a GPU trains each arm in a child process, as an A/B does; its record or its crash comes back."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import lockstep_records
+
+    over = {"seed": 0, "train": {"steps": 3, "val_every": 10 ** 6, "snapshot_every": 0}, "ab": {"lockstep_every": 1},
+            "model": {"mlp": "geglu"}}
+    info = lockstep_records._arm_in_process("tiny", over, "sgd", "geglu", "null-1", tmp_path / "ok")
+    assert info["status"] == "OK", info
+    assert len([r for r in (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines() if "lockstep/score" in r]) == 3
+    bad = lockstep_records._arm_in_process("tiny", over, "sgd", "geglu", "zoo:no_such_member", tmp_path / "bad")
+    assert bad["status"] == "CRASH" and (tmp_path / "bad" / "process.log").stat().st_size > 0
