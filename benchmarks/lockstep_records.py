@@ -11,8 +11,8 @@ this device runs, and null-K: distinct, equally correct implementations) under e
 check on every step, and keeps each checked step's score (the worst call's err_candidate / (RATIO x err_reference +
 floor)) and ratio (err_candidate / err_reference). `soak` keeps the same from the candidate arms of a finished
 calibration soak (benchmarks/calibrate.py OUT/soak), or of any soak whose known-good candidates `--good` names
-(shell patterns on the solution's path or the candidate's spec; repeatable). `judge` re-judges every record with divergence/rule.py's
-record_judgement and prints each known-good record flagged, how close the others came to each of the rule's
+(shell patterns on the solution's path or the candidate's spec; repeatable). `judge` re-judges every record with
+divergence/rule.py's record_judgement and prints each known-good record flagged, how close the others came to each of the rule's
 constants, and the count; a record of a known-bad candidate (the zoo's `bad`) is printed with the step it was
 caught at. Exit 1 when a known-good record is flagged.
 
@@ -114,7 +114,8 @@ def record(args) -> int:
                 rows = read_metrics(folder / "metrics.jsonl")
                 out[key] = {"good": good, "status": info.get("status"), **_series(rows)}
                 if not out[key]["steps"]:
-                    print(f"{key}: no checked step (the recipe's model never called {slot})", flush=True)
+                    why = "the arm crashed" if info.get("status") == "CRASH" else f"the model never called {slot}"
+                    print(f"{key}: no checked step ({why})", flush=True)
                 _write(Path(args.out), {"_meta": {"partial": True}, **out})  # what a stopped run has is kept
                 print(f"{key:<58} {info.get('status')} {len(out[key]['steps'])} steps  ({time.time() - t0:.0f} s)",
                       flush=True)
@@ -128,9 +129,9 @@ def record(args) -> int:
 
 def _arm_in_process(recipe: str, over: dict, opt: str, slot: str, cand: str, folder: Path) -> dict:
     """One candidate arm in a child process (`arm` below): arm.json's record, or CRASH with the child's last error
-    line. On an H100 (2026-11-28) arms run one after another in one process crashed after the first of several
-    per-layer slots (compiled bodies and CUDA graphs of the earlier arms kept in the process; their logs were
-    not kept); an A/B never does that, each of its arms is a process of its own."""
+    line. On H100s (2026-11-28) 32 of 81 per-layer-slot arms trained one after another in one process crashed, most
+    of them after an earlier arm of the same slot (the cause unknown: their logs went with the machine); an A/B
+    never runs arms that way, each of its arms is a process of its own."""
     import subprocess
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -220,12 +221,12 @@ def judge(args) -> int:
     goods = bads = caught = fp = empty = 0
     worst = {"max_score": (0.0, ""), "max_window_over": (0, ""), "max_median": (0.0, "")}
     for key, r in sorted(recs.items()):
-        got = rule.record_judgement(r["steps"], [float(x) for x in r["ratio"]], [float(x) for x in r["score"]])
-        near = closest(r["steps"], [float(x) for x in r["score"]], [float(x) for x in r["ratio"]])
         if not r["steps"]:  # an arm that crashed or never called the slot: no record, counted apart
             empty += 1
             print(f"{key:<58} no checked step (arm {r.get('status')})")
             continue
+        got = rule.record_judgement(r["steps"], [float(x) for x in r["ratio"]], [float(x) for x in r["score"]])
+        near = closest(r["steps"], [float(x) for x in r["score"]], [float(x) for x in r["ratio"]])
         if r["good"]:
             goods, fp = goods + 1, fp + got["wrong"]
             for k in worst:
