@@ -174,5 +174,8 @@ def test_only_the_judged_calls_of_the_long_run_wait_for_the_device(monkeypatch):
     with _unsynchronised(watched):
         seen.append(remote.server.overlap)
     assert seen == [True] and remote.server.overlap is False
+    with _unsynchronised(watched, on=False):  # a judged call: left synchronous
+        seen.append(remote.server.overlap)
+    assert seen == [True, False]
     with _unsynchronised(lambda: None):  # in-process: nothing to switch
         pass

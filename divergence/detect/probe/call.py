@@ -27,11 +27,8 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
     slot = contract.name
 
     def call(inputs, sync: bool = True):
-        if sync:
+        with _unsynchronised(impl.fn, on=not sync):
             out = impl.fn(*inputs, **ctx)
-        else:
-            with _unsynchronised(impl.fn):
-                out = impl.fn(*inputs, **ctx)
         if device == "cuda" and sync:
             torch.cuda.synchronize()  # an asynchronous kernel error surfaces here, inside the guard
         said = output_problem(contract, out, inputs)  # plain tensors only (slots/outputs.py)
@@ -76,12 +73,12 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
 class _unsynchronised:
     """A call whose device work nobody waits for: a kernel server's call ordered by CUDA events instead of host
     syncs (sandbox/client.py: KernelServer.overlap), the long run's unjudged calls. Synchronous, each of them waits
-    for its GPU, which a soak's arms share: 3,000 such calls took 83-128 s beside training arms on an H100 against
-    18 s alone (2026-11-28), and spent the probe's time budget."""
+    for its GPU, which a soak's arms share: 3,000 such calls took 18-128 s beside training arms on an H100
+    (2026-11-28; 7.8 s in a probe alone the day before), and the slowest spent the probe's time budget."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, on: bool = True):
         remote = getattr(getattr(fn, "fn", fn), "sandbox", None)  # (the probe's late-write watch wraps the call)
-        self.server = getattr(remote, "server", None)
+        self.server = getattr(remote, "server", None) if on else None
 
     def __enter__(self):
         if self.server is not None:
