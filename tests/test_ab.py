@@ -604,3 +604,28 @@ def test_compiling_runs_keep_inductors_cache_beside_the_arms_cache(tmp_path, mon
 
     monkeypatch.setenv(INDUCTOR_ENV, default_cache_dir())
     assert use_compile_cache(compiling) == tmp_path / "ours"
+
+
+def test_a_pre_started_arm_sets_up_while_another_trains_and_trains_the_same(tmp_path, monkeypatch, tiny):
+    """On one GPU the next arm of the queue is started ahead of its turn and waits, set up, until the scheduler
+    lets it train (runner.PREFETCH): its set-up overlaps the running arm's training. Here on the CPU (the switch
+    forced): each later arm waited (`held_s`), set up, for its turn, and every arm's metrics equal those of the same
+    arms run without pre-starting."""
+    from divergence.ab import runner
+    from divergence.train.arm import ArmSpec
+    from divergence.train.metrics import read_metrics
+
+    def run(folder, prefetch):
+        monkeypatch.setattr(runner, "prefetch_arms", lambda device, gpus: prefetch)
+        jobs = [runner.Job(f"sgd/null-{i}", tmp_path / folder / f"null-{i}", ArmSpec(f"null-{i}", "sgd"))
+                for i in (1, 2, 3)]
+        return jobs, runner.run_jobs(tiny, jobs, None, "cpu", workers=1)
+
+    jobs, res = run("pre", True)
+    plain_jobs, plain = run("plain", False)
+    assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
+    held = [res[j.key]["timings"].get("held_s") for j in jobs]
+    assert held[0] is None and all(h > 0.2 for h in held[1:]), held  # the first started at once; the others waited
+    assert all(plain[j.key]["timings"].get("held_s") is None for j in plain_jobs)
+    for a, b in zip(jobs, plain_jobs):
+        assert read_metrics(a.out_dir / "metrics.jsonl") == read_metrics(b.out_dir / "metrics.jsonl")

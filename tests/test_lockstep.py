@@ -226,3 +226,88 @@ def test_a_correct_kernel_one_rounding_off_is_not_wrong_by_the_median(tmp_path):
     ls = run_arm(r, spec, tmp_path / "arm", progress=False, watcher=Lockstep)["lockstep"]
     assert ls["checked_steps"] == 12 and ls["wrong_steps"] == 0, ls
     assert 1.6 < ls["record"]["median_ratio"] < RECORD_RATIO and not ls["wrong"], ls
+
+
+class _ReplayGraph:
+    """CUDA's capture stood in for: a replay runs the captured function again on the captured inputs, into the
+    captured output (as a real replay rewrites it)."""
+
+    def __init__(self, fn, inputs, out):
+        self.fn, self.inputs, self.out, self.replays = fn, inputs, out, 0
+
+    def pool(self):
+        return ("pool of", id(self))
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn(*self.inputs))
+
+
+def _stand_in_capture(fn, inputs, stream, pool=None):
+    out = _empty_like(fn(*inputs))  # the shape only: a real capture runs nothing
+    return _ReplayGraph(fn, inputs, out), out
+
+
+def _empty_like(x):
+    import torch
+
+    return torch.empty_like(x)
+
+
+def test_the_check_through_a_graph_measures_each_call_on_its_own_inputs():
+    """Each step's row through the check graph (eager, then captured, then replayed on copies of new inputs) equals
+    the eager check's on the same call, and one input signature makes one graph."""
+    import torch
+
+    from divergence.detect.lockstep import CheckGraphs
+    from divergence.slots import rmsnorm
+
+    lk, kernels = _rmsnorm_lockstep(lambda x, w, eps: rmsnorm.reference(x, w, eps) * (1 + 1e-3 * x.sign()))
+    graphed, _ = _rmsnorm_lockstep(lambda x, w, eps: rmsnorm.reference(x, w, eps) * (1 + 1e-3 * x.sign()))
+    graphed.graphs = CheckGraphs(capture=_stand_in_capture)
+    rows = []
+    for seed in range(5):
+        x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(seed), dtype=torch.float32)
+        out = kernels("rmsnorm", x, w, eps)
+        rows.append((lk._check((x, w, eps), (out,), (x, w, eps)), graphed._check((x, w, eps), (out,), (x, w, eps))))
+    assert all(torch.equal(a, b) for a, b in rows)
+    assert len({tuple(a.tolist()) for a, _ in rows}) == 5  # five calls, five different rows: no replay of an old one
+    (g,) = graphed.graphs.graphs.values()
+    assert g.graph.replays == 3 and graphed.graphs.describe() == "captured at check 1"
+
+
+def test_a_check_graph_that_cannot_be_captured_leaves_the_check_eager_and_says_why():
+    import torch
+
+    from divergence.detect.lockstep import CheckGraphs
+    from divergence.slots import rmsnorm
+
+    def fails(fn, inputs, stream, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    lk, kernels = _rmsnorm_lockstep()
+    eager, _ = _rmsnorm_lockstep()
+    lk.graphs = CheckGraphs(capture=fails)
+    for seed in range(4):
+        x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(seed), dtype=torch.float32)
+        out = kernels("rmsnorm", x, w, eps)
+        assert torch.equal(lk._check((x, w, eps), (out,), (x, w, eps)), eager._check((x, w, eps), (out,), (x, w, eps)))
+    assert "capture failed: RuntimeError: operation not permitted" in lk.summary()["check_graph"]
+
+
+def test_check_graphs_only_where_the_arm_replays_cuda_graphs():
+    from divergence.detect.lockstep import CheckGraphs
+
+    assert _rmsnorm_lockstep()[0].graphs is None  # tiny: no compile, no graphs
+    import numpy as np
+    from types import SimpleNamespace
+
+    from divergence.candidates.resolve import build_kernels
+
+    kernels = build_kernels({"rmsnorm": "null-1"}, {"vocab_size": 64})
+    lk = Lockstep(load_recipe("h200"), "rmsnorm", kernels, SimpleNamespace(rank=np.arange(64)),
+                  SimpleNamespace(current_step=0, lockstep=None))
+    assert isinstance(lk.graphs, CheckGraphs)
+    off = Lockstep(load_recipe("h200", {"train": {"step_graph": False}}), "rmsnorm", kernels,
+                   SimpleNamespace(rank=np.arange(64)), SimpleNamespace(current_step=0, lockstep=None))
+    assert off.graphs is None

@@ -145,7 +145,7 @@ def _cuda_started_before_fork() -> bool:
     return bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
 
 
-def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
+def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None, go=None):
     enter_world(world)
     if gpu is not None:  # before CUDA starts in this process: the arm sees one GPU, as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -171,12 +171,23 @@ def _child(recipe, spec, out_dir, corpus, gpu, t_start, world=None):
     from ..train.arm import run_arm
 
     boot = time.time() - t_start  # process start, imports (Lightning's too), unpickling the arguments
-    run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot, watcher=Lockstep)
+    run_arm(recipe, spec, out_dir, corpus=corpus, progress=False, boot_s=boot, watcher=Lockstep,
+            hold=None if go is None else lambda: _wait_for_go(go))
     # Everything is on disk (arm.json last, atomically). Skip the interpreter's teardown: a CUDA arm's exit took
     # 10-15 s after its last write on the H200 (2026-11-21), and the next arm waited for it.
     sys.stdout.flush()
     _release_shared_objects()
     os._exit(0)
+
+
+def _wait_for_go(go) -> float:
+    """A pre-started arm, set up on the host: wait for the scheduler's word (its `go` event), which comes when
+    the arm would have been started (PREFETCH); the seconds waited. Should the scheduler die meanwhile, the arm's
+    parent-death signal ends it."""
+    t = time.perf_counter()
+    while not go.wait(1.0):
+        pass
+    return time.perf_counter() - t
 
 
 def _release_shared_objects() -> None:
@@ -214,14 +225,35 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None, plac
         from ..train import module  # noqa: F401
     results, queue = split_finished(jobs)
     running, draining = {}, []  # draining: (process, deadline) of finished arms whose process has not exited
+    # Pre-started arms (PREFETCH), key -> [job, process, go event]: on one GPU, where arms wait for memory
+    prefetch = {} if prefetch_arms(device, gpus) else None
     try:
         with _StopRequests() as stop:
-            _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop, placer)
+            _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop, placer,
+                  prefetch)
     except BaseException:  # Ctrl-C, SIGTERM or a harness error: no arm process outlives the scheduler
-        for proc in [entry[1] for entry in running.values()] + [proc for proc, _ in draining]:
+        held = [entry[1] for entry in (prefetch or {}).values()]
+        for proc in [entry[1] for entry in running.values()] + [proc for proc, _ in draining] + held:
             kill_group(proc)
         raise
+    for _, proc, _ in (prefetch or {}).values():  # none is left unless the scheduler gave its job up
+        kill_group(proc)
     return results
+
+
+# How many arms are started ahead of their turn: each does its set-up on the host (its process, the corpus, the
+# kernels and their servers, the model on the CPU, Lightning) and then waits, before its first touch of the GPU,
+# for the scheduler to let it train, where it would have started it. On one H100 at production shapes
+# (2026-11-28, the default A/B at 4096 x 65,536) an arm's set-up was 10-16 s between the end of one arm and the
+# first step of the next, with the card idle; pre-started, that set-up runs while the others train.
+PREFETCH = 1
+
+
+def prefetch_arms(device: str, gpus: list) -> bool:
+    """Whether arms are pre-started: on CUDA with one GPU visible. With several, an arm's GPU is chosen when it
+    starts, and a process must know its GPU before CUDA starts in it (CUDA_VISIBLE_DEVICES is read once), which
+    a pre-started arm's set-up may already do (a candidate's import, a kernel server's)."""
+    return device == "cuda" and len(gpus) <= 1
 
 
 class CompileFirst:
@@ -266,7 +298,8 @@ class CompileFirst:
             self.first = job
 
 
-def _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop, placer=None):
+def _loop(recipe, queue, running, draining, results, gpus, corpus, device, workers, on_done, stop, placer=None,
+          prefetch=None):
     def retire(job, st):
         if placer is not None:
             said = placer.ended(job, st)
@@ -287,7 +320,10 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
         _reap(draining)
         if placer is not None:
             placer.tidy()
-        _fill(recipe, queue, running, gpus, corpus, device, gate.room(running, workers), gate, placer, retire)
+        _fill(recipe, queue, running, gpus, corpus, device, gate.room(running, workers), gate, placer, retire,
+              prefetch)
+        if prefetch is not None:
+            _prefetch(recipe, queue, prefetch, corpus, device)
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire, stop)
@@ -302,7 +338,7 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
     draining.clear()
 
 
-def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer, retire):
+def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer, retire, prefetch=None):
     """Start queued jobs while there is room: in queue order, each on the GPU the placer gives it, if any; a job
     that must wait for memory holds back the jobs behind it (the queue's order is kept), one whose kind is being
     measured, or held back by another arm sized by a guess, lets them by."""
@@ -320,14 +356,33 @@ def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer,
                 return
             if what == GIVE_UP:
                 queue.remove(job)
+                if prefetch is not None and job.key in prefetch:
+                    kill_group(prefetch.pop(job.key)[1])
                 retire(job, _finish(job, "ERROR", where))
                 continue
             gpu = gpus[where] if len(gpus) > 1 else None
         queue.remove(job)
-        proc = _start(job, recipe, running, gpu, corpus, device)
+        held = prefetch.pop(job.key, None) if prefetch is not None else None
+        if held is not None:  # set up already: it trains from now, watched as any other from its start
+            proc = held[1]
+            held[2].set()
+            now = time.time()
+            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+        else:
+            proc = _start(job, recipe, running, gpu, corpus, device)
         if placer is not None:
             placer.started(job, where, proc)
         gate.started(job)
+
+
+def _prefetch(recipe, queue, prefetch: dict, corpus, device: str) -> None:
+    """Pre-start the first PREFETCH jobs of the queue (those it would start next, in its order) not yet started."""
+    for job in queue[:PREFETCH]:
+        if job.key in prefetch:
+            continue
+        r = job.recipe or recipe
+        go = _context(start_method(device, r.train.threads, r.ab.arm_start), compiled=bool(r.train.compile)).Event()
+        prefetch[job.key] = [job, _start(job, recipe, None, None, corpus, device, go), go]
 
 
 def _reap(draining: list):
@@ -338,7 +393,9 @@ def _reap(draining: list):
             draining.remove((proc, deadline))
 
 
-def _start(job, recipe, running: dict, gpu: Optional[str], corpus, device: str):
+def _start(job, recipe, running: Optional[dict], gpu: Optional[str], corpus, device: str, go=None):
+    """Start the job's arm process; where `running` is given, it is watched from now on. With `go` (an event of
+    the process's start method's context), the arm sets up and waits for it before it touches the GPU (PREFETCH)."""
     # An interrupted attempt starts over in an empty folder: its files may be hard links shared with the
     # arms cache or another cell (ab/share.py), which writing in place would change there too.
     shutil.rmtree(job.out_dir, ignore_errors=True)
@@ -349,7 +406,7 @@ def _start(job, recipe, running: dict, gpu: Optional[str], corpus, device: str):
     world = {"env": dict(os.environ)} if method == "forkserver" else None
     fresh = method != "fork"  # a spawned or fork-served arm loads the corpus from its cache itself
     proc = ctx.Process(target=_child, args=(arm_recipe, job.spec, str(job.out_dir), None if fresh else corpus, gpu,
-                                            time.time(), world),
+                                            time.time(), world), kwargs={} if go is None else {"go": go},
                        daemon=False)
     try:
         proc.start()
@@ -359,8 +416,9 @@ def _start(job, recipe, running: dict, gpu: Optional[str], corpus, device: str):
         raise RecipeError(f"{arm_recipe.path or arm_recipe.name}: ab.arm_start: the fork server could not start arm "
                           f"{job.key} ({type(e).__name__}: {str(e) or 'no reason given'}); set ab.arm_start: "
                           "spawn") from e
-    now = time.time()
-    running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+    if running is not None:
+        now = time.time()
+        running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
     return proc
 
 

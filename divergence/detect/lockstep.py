@@ -93,6 +93,10 @@ class Lockstep:
             # No CUDA graphs: the check runs on autograd's thread, beside the step's graphs.
             opts = compile_options(recipe.train.compile, cudagraphs=False)
             self.measure, self.compiled = torch.compile(self._measure, dynamic=False, **opts), True
+        # On a GPU arm whose recipe replays CUDA graphs, the whole check (the reference op, the float64 oracle, the
+        # input-mutation flags and the metrics) replays as one graph per input signature (CheckGraphs): eager it is
+        # about 120 launches a check, and the candidate's arm is host-bound.
+        self.graphs = CheckGraphs() if _graphs_wanted(recipe) else None
         kernels.add_tap(self.tap, [self.slot], before=self.before)
         recorder.lockstep = self
 
@@ -162,19 +166,26 @@ class Lockstep:
     def _check(self, inputs, cand, live) -> torch.Tensor:
         """One call's metrics: `inputs` as the candidate got them, `cand` its outputs, `live` its input tensors
         after it ran."""
-        ctx = {k: self.kernels.context[k] for k in self.contract.context}
-        ref_out = as_tuple(self.contract.reference(*inputs, **ctx))
-        # Did the candidate write into an input? Bit for bit against the copy taken before it ran (bitwise.py: the
-        # probe's rule too); device flags, read once at the end.
         if self.tensor_names is None:
             self.tensor_names = [n for n, x in zip(self.contract.inputs, inputs) if isinstance(x, torch.Tensor)]
+        dev = next(x.device for x in cand if isinstance(x, torch.Tensor))
+        if self.order is not None and self.order.device != dev:  # once: no copy to the device per step
+            self.order = self.order.to(dev)
+        # Did the candidate write into an input? Bit for bit against the copy taken before it ran (bitwise.py: the
+        # probe's rule too); device flags, read once at the end.
         changed = torch.stack([bitwise.changed(a, b) for a, b in zip(live, inputs) if isinstance(a, torch.Tensor)])
         self.mutation = changed if self.mutation is None else self.mutation | changed
+        if self.graphs is not None and self.graphs.fits(dev, cand):
+            return self.graphs(self._body, inputs, cand)
+        return self._body(inputs, cand)
+
+    def _body(self, inputs, cand) -> torch.Tensor:
+        """The packed metrics of one call: what a check graph captures (the harness's code alone)."""
+        ctx = {k: self.kernels.context[k] for k in self.contract.context}
+        ref_out = as_tuple(self.contract.reference(*inputs, **ctx))
         floor = max(rounding_floor(o.dtype) for o in ref_out if isinstance(o, torch.Tensor))
-        if self.order is not None and self.order.device != cand[0].device:  # once: no copy to the device per step
-            self.order = self.order.to(cand[0].device)
         orc = as_tuple(self.contract.oracle(*oracle_inputs(self.contract, inputs), **ctx))
-        args = (tuple(inputs), cand, tuple(ref_out), orc, floor, self.order)
+        args = (tuple(inputs), tuple(cand), tuple(ref_out), orc, floor, self.order)
         try:
             return self.measure(*args)
         except Exception as e:
@@ -270,6 +281,7 @@ class Lockstep:
             "worst_err_reference": worst[3] if worst else None,
             "mutated_input": self._mutated_input(),
             "compiled_metrics": self.compiled,
+            "check_graph": self.graphs.describe() if self.graphs is not None else "off (eager check)",
             "compile_fallback": self.compile_fallback,
             "error": self.error,
             "global_state": self.global_state,
@@ -279,3 +291,66 @@ class Lockstep:
                     f"median per-step err_candidate / err_reference exceeds {rule.RECORD_RATIO:g} over at least "
                     f"{rule.MIN_RECORD_STEPS} checked steps",
         }
+
+
+def _graphs_wanted(recipe) -> bool:
+    """Check graphs where the arm's body replays CUDA graphs too (`train.compile: inductor+cudagraphs` and
+    `train.step_graph` on): on the device only, decided per call (CheckGraphs.fits)."""
+    from ..model.transformer import uses_cudagraphs
+
+    return bool(recipe.train.compile) and uses_cudagraphs(recipe.train.compile) and recipe.train.step_graph
+
+
+class CheckGraphs:
+    """The lockstep check's body as CUDA graphs (train/stepgraph.StepGraph, pure: an eager check, then one captured
+    and replayed for every later call of the same input signature). The body is the harness's code only: the
+    reference op, the oracle and the metrics on the copies of the inputs the check took, never the candidate,
+    which has run before (in its own process, sandbox/). A replay copies the call's inputs and the candidate's
+    outputs into the graph's own and hands back a copy of the row, so nothing the graph holds is read after its
+    next replay. The graphs share one memory pool (they never replay at once). A capture that fails gives that
+    signature's graph up with its reason (`describe`), and the check goes on eagerly.
+
+    Memory: the graph keeps its copies of the inputs and outputs and its intermediates for the arm's life (at
+    4096 x 65,536 the inputs and outputs are 2 GiB, the oracle's float64 embedding gradient 2 GiB more), where the
+    eager check's intermediates went back to the allocator's cache, which kept them for the next check all the
+    same."""
+
+    MAX = 4  # input signatures with a graph of their own; more (a slot called at many shapes) run eagerly
+
+    def __init__(self, capture=None):
+        from ..train.stepgraph import SharedPool
+
+        self.pool = SharedPool()
+        self.graphs = {}  # signature -> (StepGraph, the non-tensor arguments' positions and values)
+        self._capture = capture  # injectable for tests (train/stepgraph.StepGraph's `capture`)
+
+    def fits(self, device, cand) -> bool:
+        """Whether this call may go through a graph: on CUDA (or with a test's capture), every output a tensor."""
+        return (device.type == "cuda" or self._capture is not None) and all(isinstance(c, torch.Tensor)
+                                                                              for c in cand)
+
+    def __call__(self, body, inputs, cand) -> torch.Tensor:
+        consts = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        sig = (tuple(consts.items()), tuple((tuple(x.shape), x.dtype, x.device) for x in (*tensors, *cand)))
+        graph = self.graphs.get(sig)
+        if graph is None:
+            if len(self.graphs) >= self.MAX:
+                return body(inputs, cand)
+            from ..train.stepgraph import StepGraph
+
+            graph = self.graphs[sig] = StepGraph(warmup=2, pure=True, unit="check", capture=self._capture,
+                                                 pool=self.pool)
+        n, size = len(tensors), len(inputs)
+
+        def run(*flat):  # the call's arguments again, the graph's copies of its tensors in their places
+            it = iter(flat[:n])
+            return body([consts[i] if i in consts else next(it) for i in range(size)], tuple(flat[n:]))
+
+        return graph(run, *tensors, *cand)
+
+    def describe(self) -> str:
+        if not self.graphs:
+            return "no call checked through a graph"
+        said = [g.describe("g")["g"] for g in self.graphs.values()]
+        return "; ".join(sorted(set(said)))

@@ -258,7 +258,7 @@ class KernelServer:
             ctl_theirs.close()
         self.conn, self.ctl, self._ctl_buf = Connection(ours.detach()), ctl, b""
         self.closed = False
-        self.keys: "OrderedDict[str, int]" = OrderedDict()  # storage keys the server holds, with their bytes
+        self.keys: "OrderedDict[tuple, int]" = OrderedDict()  # storage keys the server holds, with their bytes
         self.staging: dict = {}  # key -> our GPU staging buffer (CUDA IPC)
         self.mirrors: dict = {}  # token -> weakref to the storage of ours an output buffer of theirs comes back into
         self.cuda = None  # "ipc" or "copy", decided at the first call with GPU tensors
@@ -526,8 +526,9 @@ class KernelServer:
         sync = set()
         for st, idx, start, end in wire.group(tensors):
             n = end - start
-            key = json.dumps([st.data_ptr(), start, n, str(st.device)])
-            entry = {"key": json.loads(key), "n": n, "dev": str(st.device)}
+            dev = str(st.device)
+            key = (st.data_ptr(), start, n, dev)  # (a tuple here; the server keys its own by the list's JSON)
+            entry = {"key": list(key), "n": n, "dev": dev}
             view = wire.u8(torch, st, start, n)
             if st.device.type == "cuda" and self.cuda == "ipc" and n:
                 buf = self.staging.get(key)
@@ -571,7 +572,7 @@ class KernelServer:
             for dev in sync:  # the staging copies done before the server reads them
                 torch.cuda.current_stream(dev).synchronize()
         # Forget the oldest storages beyond this call's and STAGING_BYTES (the server forgets them too)
-        now = {json.dumps(s["key"]) for s in storages}
+        now = {tuple(s["key"]) for s in storages}
         drop, total = [], sum(self.keys.values())
         for key in list(self.keys):
             if total <= STAGING_BYTES + sum(self.keys[k] for k in now):
@@ -579,7 +580,7 @@ class KernelServer:
             if key not in now:
                 total -= self.keys.pop(key)
                 self.staging.pop(key, None)
-                drop.append(json.loads(key))
+                drop.append(list(key))
         return groups, storages, descs, bufs, drop, ready
 
     def _copy_back(self, h: dict, groups: list) -> None:

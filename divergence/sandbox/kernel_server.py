@@ -829,7 +829,9 @@ class Server:
         if torch.cuda.is_initialized():
             # its allocator's peak, for the trusted side's sizing of arms per GPU (ab/memory.py): a lower figure
             # than the truth only gets the arm re-run with the GPU to itself, once it runs out
-            reply["reserved"] = int(torch.cuda.max_memory_reserved())
+            # (the allocator's nested statistics read directly: torch.cuda.max_memory_reserved() flattens all of
+            # them first, 0.35 ms of the server's 1.35 ms of Python a call under cProfile, one H100, 2026-11-28)
+            reply["reserved"] = int(torch.cuda.memory_stats_as_nested_dict()["reserved_bytes"]["all"]["peak"])
         send(self.conn, reply, bufs)
 
     def cpu_tensor(self, d: dict):

@@ -89,12 +89,14 @@ def model_vocab(recipe, corpus) -> int:
 
 
 def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool] = None,
-            boot_s: Optional[float] = None, watcher=None, callbacks=()) -> dict:
+            boot_s: Optional[float] = None, watcher=None, callbacks=(), hold=None) -> dict:
     """Train one arm to the end (or to the first NaN); returns and writes its `arm.json`.
 
     `watcher(recipe, slot, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
     detectors' Lockstep, passed down by the orchestration layer: training never imports the detectors); its
-    `summary()` goes into arm.json. `callbacks`: extra Lightning callbacks (the bench's profiler steps)."""
+    `summary()` goes into arm.json. `callbacks`: extra Lightning callbacks (the bench's profiler steps). `hold()`,
+    where given, is called once everything is set up on the host and before the arm's first touch of its GPU (the
+    model still on the CPU): it returns when the scheduler lets the arm train (ab/runner.py: a pre-started arm)."""
     from .module import ArmModule  # imports lightning.pytorch first: it sets its loggers' levels on import
     from ..data import load_corpus
 
@@ -123,8 +125,10 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     step_graph = step_graph_for(recipe, spec, kernels, device)
     module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec, step_graph)
     trainer = _trainer(recipe, device, progress, callbacks)
-    t0 = time.time()
     rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
+    if hold is not None:
+        rec.t["held_s"] = hold()
+    t0 = time.time()
     if boot_s is not None:
         rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
     rec.t["fit_called"] = time.perf_counter()
