@@ -311,3 +311,18 @@ def test_check_graphs_only_where_the_arm_replays_cuda_graphs():
     off = Lockstep(load_recipe("h200", {"train": {"step_graph": False}}), "rmsnorm", kernels,
                    SimpleNamespace(rank=np.arange(64)), SimpleNamespace(current_step=0, lockstep=None))
     assert off.graphs is None
+
+
+def test_a_call_too_large_for_a_check_graph_is_checked_eagerly_and_said(monkeypatch):
+    import torch
+
+    from divergence.detect.lockstep import CheckGraphs
+    from divergence.slots import rmsnorm
+
+    lk, kernels = _rmsnorm_lockstep()
+    lk.graphs = CheckGraphs(capture=_stand_in_capture)
+    monkeypatch.setattr(CheckGraphs, "MAX_BYTES", 1000)
+    x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(0), dtype=torch.float32)
+    for _ in range(3):
+        lk._check((x, w, eps), (kernels("rmsnorm", x, w, eps),), (x, w, eps))
+    assert not lk.graphs.graphs and "eager for calls of" in lk.summary()["check_graph"]

@@ -175,7 +175,7 @@ class Lockstep:
         # probe's rule too); device flags, read once at the end.
         changed = torch.stack([bitwise.changed(a, b) for a, b in zip(live, inputs) if isinstance(a, torch.Tensor)])
         self.mutation = changed if self.mutation is None else self.mutation | changed
-        if self.graphs is not None and self.graphs.fits(dev, cand):
+        if self.graphs is not None and self.graphs.fits(dev, inputs, cand):
             return self.graphs(self._body, inputs, cand)
         return self._body(inputs, cand)
 
@@ -316,18 +316,35 @@ class CheckGraphs:
     same."""
 
     MAX = 4  # input signatures with a graph of their own; more (a slot called at many shapes) run eagerly
+    # Calls whose inputs and outputs are larger run eagerly. A graph pays off where the check is bound by its ~120
+    # launches: at the h200 recipe (16,384 tokens, hidden 384, vocabulary 32,768: 64 MiB) the check every step cost
+    # the candidate arm +1.37 ms a step with it against +2.53 and +4.74 eagerly (one H100 each, 2026-11-28,
+    # `bench.py --recipe h200`). At
+    # 8,192 tokens x hidden 4,096 x vocabulary 65,536 (1.6 GiB) the check's device time (float64 passes over the
+    # 65,536 x 4,096 gradient) dwarfs its launches, and the graph would hold about 4 GiB more for the arm's life: there
+    # every capture beside two other arms on an 80 GB card failed ("operation failed due to a previous error during
+    # capture", each check then eager; alone it captured), seen in the default A/B and a soak of eight.
+    MAX_BYTES = 256 << 20
 
     def __init__(self, capture=None):
         from ..train.stepgraph import SharedPool
 
         self.pool = SharedPool()
-        self.graphs = {}  # signature -> (StepGraph, the non-tensor arguments' positions and values)
+        self.graphs = {}  # signature -> StepGraph
+        self.too_large = 0  # the largest call left eager for its size (bytes of its inputs and outputs)
         self._capture = capture  # injectable for tests (train/stepgraph.StepGraph's `capture`)
 
-    def fits(self, device, cand) -> bool:
-        """Whether this call may go through a graph: on CUDA (or with a test's capture), every output a tensor."""
-        return (device.type == "cuda" or self._capture is not None) and all(isinstance(c, torch.Tensor)
-                                                                              for c in cand)
+    def fits(self, device, inputs, cand) -> bool:
+        """Whether this call goes through a graph: on CUDA (or with a test's capture), every output a tensor, and
+        the call's inputs and outputs at most MAX_BYTES."""
+        if not ((device.type == "cuda" or self._capture is not None) and all(isinstance(c, torch.Tensor)
+                                                                               for c in cand)):
+            return False
+        size = sum(x.nbytes for x in (*inputs, *cand) if isinstance(x, torch.Tensor))
+        if size > self.MAX_BYTES:
+            self.too_large = max(self.too_large, size)
+            return False
+        return True
 
     def __call__(self, body, inputs, cand) -> torch.Tensor:
         consts = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
@@ -350,7 +367,7 @@ class CheckGraphs:
         return graph(run, *tensors, *cand)
 
     def describe(self) -> str:
-        if not self.graphs:
-            return "no call checked through a graph"
-        said = [g.describe("g")["g"] for g in self.graphs.values()]
-        return "; ".join(sorted(set(said)))
+        said = sorted({g.describe("g")["g"] for g in self.graphs.values()})
+        if self.too_large:
+            said.append(f"eager for calls of {self.too_large / 2**20:.0f} MiB (graphs up to {self.MAX_BYTES >> 20} MiB)")
+        return "; ".join(said) or "no call checked through a graph"
