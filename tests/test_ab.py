@@ -629,3 +629,26 @@ def test_a_pre_started_arm_sets_up_while_another_trains_and_trains_the_same(tmp_
     assert all(plain[j.key]["timings"].get("held_s") is None for j in plain_jobs)
     for a, b in zip(jobs, plain_jobs):
         assert read_metrics(a.out_dir / "metrics.jsonl") == read_metrics(b.out_dir / "metrics.jsonl")
+
+
+def test_each_arms_distances_are_computed_while_the_others_train(tmp_path, monkeypatch):
+    """The A/B computes each arm's distances from its reference once both have ended, on a thread beside the
+    training (run.DistancesAhead): the judging after the last arm reads every one from the run's memo, computing
+    none again."""
+    import threading
+
+    from divergence.detect import distances
+
+    computed = []
+    real = distances.scalar_distances
+
+    def counting(ref_dir, arm_dir, *a, **k):
+        computed.append((Path(arm_dir).name, threading.current_thread().name))
+        return real(ref_dir, arm_dir, *a, **k)
+
+    monkeypatch.setattr(distances, "scalar_distances", counting)
+    monkeypatch.setenv("DIVERGENCE_ARMS_CACHE", str(tmp_path / "arms"))
+    assert ab(tmp_path / "run", "--candidate", "zoo:embed_fp64_accum") == 0
+    arms = sorted(name for name, _ in computed)
+    assert arms == ["candidate", "null-1", "null-2"], computed  # each once (tiny: two nulls)
+    assert all(thread.startswith("distances") for _, thread in computed), computed

@@ -370,7 +370,7 @@ def test_candidate_arms_are_sized_from_their_optimizers_reference_and_start_toge
     ev = {e["arm"]: e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())}
     assert all(ev[f"candidate-{c}"]["start"] >= ev["reference"]["end"] for c in "ab")
     assert at_once(tmp_path) == 2
-    assert placer._derived(jobs[1]) == int(20 * GiB * memory.CANDIDATE_OVER_HARNESS) + 2 * placer.context
+    assert placer._derived(jobs[1]) == int(20 * GiB * memory.CANDIDATE_OVER_HARNESS) + placer.context + G.CONTEXT_BYTES
 
 
 def test_a_probe_beside_the_arms_counts_for_what_it_may_yet_take(tmp_path):
@@ -545,3 +545,17 @@ def test_a_kernel_servers_memory_figure_is_bounded_by_the_gpu():
     finally:
         client._gpu_total = total
         client.wire.recv_header = orig
+
+
+def test_a_kernel_server_is_charged_a_context_not_the_training_process_overhead(tmp_path):
+    """What the training process holds beyond its allocator (measured on the GPU: 4.74 GiB in a soak at 4096 x
+    65,536) is charged once per arm; each kernel server of a candidate arm is a CUDA context (CONTEXT_BYTES) beyond
+    its record. Charged the measure each, two candidate arms of 25 GiB needed 2 x 34.5 GiB + the margin, more than an
+    80 GiB card's free memory, and a soak's candidates ran one at a time."""
+    placer = memory.Placer(["0"], 6, query=lambda i: (TOTAL, TOTAL),
+                           lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"), own=lambda i: 0)
+    placer.context = int(4.74 * GiB)
+    assert placer._bytes((25 * GiB, 1)) == 25 * GiB + placer.context
+    assert placer._bytes((25 * GiB, 2)) == 25 * GiB + placer.context + G.CONTEXT_BYTES
+    two = 2 * placer._bytes((25 * GiB, 2)) + memory.MARGIN * 80 * GiB
+    assert two <= 78 * GiB  # two candidate arms fit on an H100 80GB's free memory

@@ -123,8 +123,13 @@ class Placer:
     # ---------------------------------------------------------------------------------------------- what is known
 
     def _bytes(self, rec: Optional[tuple]) -> int:
-        """A record's need with the context as measured now: its peak plus `context` per process."""
-        return 0 if rec is None else rec[0] + self.context * rec[1]
+        """A record's need with the context as measured now: its peak, plus `context` for its first process and
+        CONTEXT_BYTES for each other one. The others are kernel servers: a CUDA context and the candidate's code
+        beyond what their allocators record (counted in the peak), none of the training process's compiled graphs,
+        cudagraph pools or workspaces. Charged `context` each, a soak's candidate arms were sized at 9.5 GiB over
+        their record where the training process had measured 4.74 GiB, and ran one after another on an 80 GB
+        card where two fit (8 candidates at 4096 x 65,536, one H100, 2026-11-28: 285 s of the soak's 427)."""
+        return 0 if rec is None else rec[0] + self.context + G.CONTEXT_BYTES * max(0, rec[1] - 1)
 
     def _refresh(self) -> None:
         for live in self.live:
@@ -148,8 +153,8 @@ class Placer:
     def observe(self) -> None:
         """What a process holds beyond its allocator's record, measured on the GPU: while one arm of this run is
         alone on a GPU, no probe there, and its record has not changed for STEADY_S, the GPU's use by others than
-        this process, less that use before the arm (`base`) and less the record, per process of the arm, is that
-        overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel server's); where larger than
+        this process, less that use before the arm (`base`), less the record and CONTEXT_BYTES for each of its
+        kernel servers (_bytes), is that overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel server's); where larger than
         `context`, it becomes `context`, and every need is computed with it. Anything else that grew on the GPU
         meanwhile (another user's work) counts as the arm's: too much here starts fewer arms at once, too little runs
         one out of memory. Also follows each kind's records and the largest a probe has needed."""
@@ -180,7 +185,7 @@ class Placer:
                 continue
             if rec is None or now - since < STEADY_S:
                 continue
-            extra = (self._used(i)[0] - self.base[i] - rec[0]) // rec[1]
+            extra = self._used(i)[0] - self.base[i] - rec[0] - G.CONTEXT_BYTES * max(0, rec[1] - 1)
             if extra > self.context:
                 self.say(f"  GPU {self.gpus[i]}: a process holds {G.gib(extra)} beyond its allocator (measured while "
                          f"{job.key} ran alone there); arms are sized with it", flush=True)

@@ -114,10 +114,10 @@ def cmd_ab(args, publish=None) -> int:
     for said in getattr(impl, "settings", None) or []:
         print(f"  note: the candidate {said}", flush=True)
     probe, probing = _start_probe(args, slot, cand, out, recipe, device, definition)
-    vocab, arms, t0 = _train_arms(args, recipe, slot, cand, opts, out, device, corpus)
+    vocab, arms, t0, files = _train_arms(args, recipe, slot, cand, opts, out, device, corpus)
     probe, probe_error = _probe_outcome(probe, probing)
     return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error,
-                     (t_start, t0))
+                     (t_start, t0), files)
 
 
 def _check_gpu_memory(recipe, corpus, opts) -> None:
@@ -194,7 +194,8 @@ def _start_probe(args, slot, cand, out, recipe, device, definition=None) -> tupl
 
 
 def _train_arms(args, recipe, slot, cand, opts, out, device, corpus) -> tuple:
-    """(vocab, {arm key: arm info}, start time) once every arm is trained, shared or kept."""
+    """(vocab, {arm key: arm info}, start time, the run's ArmFiles) once every arm is trained, shared or kept; each
+    arm's distances from its reference computed meanwhile (DistancesAhead)."""
     from ..train.arm import model_vocab
     from .share import ArmsCache, run_shared
 
@@ -202,17 +203,55 @@ def _train_arms(args, recipe, slot, cand, opts, out, device, corpus) -> tuple:
     jobs = plan_arms(recipe, slot, cand, opts, out, lockstep=recipe.ab.lockstep_every > 0)
     total, t0 = len(jobs), time.time()
     finished = []
+    ahead = DistancesAhead(out, *judge_context(recipe, corpus, vocab))
 
     def on_done(key, st):
         finished.append(key)
         print(f"  [{len(finished)}/{total}] {key}: {st.get('status')} in {st.get('wall_s', 0):.0f} s "
               f"({time.time() - t0:.0f} s elapsed)", flush=True)
+        ahead.arrived(key, st)
 
     workers = _workers(recipe, device)
-    arms, _ = run_shared(recipe, jobs, corpus, device,
-                         lambda todo, done: run_jobs(recipe, todo, corpus, device, workers, on_done=done),
-                         ArmsCache.from_env(), fresh=getattr(args, "fresh", False), on_done=on_done)
-    return vocab, arms, t0
+    try:
+        arms, _ = run_shared(recipe, jobs, corpus, device,
+                             lambda todo, done: run_jobs(recipe, todo, corpus, device, workers, on_done=done),
+                             ArmsCache.from_env(), fresh=getattr(args, "fresh", False), on_done=on_done)
+    finally:
+        ahead.finish()
+    return vocab, arms, t0, ahead.files
+
+
+class DistancesAhead:
+    """Each arm's distances from its optimizer's reference (detect/distances.ArmFiles.distances), computed on a
+    thread beside the training as soon as both have ended, into the run's ArmFiles, whose memo the judging after
+    the last arm then reads (it checks each arm's files first: a file changed since is read again, under its new
+    version). At 4096 x 65,536 the judging after the default A/B's last arm took 54 s (one H100, 2026-11-28), most
+    of it reading snapshots of arms that had ended minutes before. A failure here is left to the judging, which
+    computes the same distances again and says what failed."""
+
+    def __init__(self, out: Path, buckets, smooth: int):
+        self.out, self.buckets, self.smooth = Path(out), buckets, smooth
+        self.files = compare.ArmFiles()
+        self.ended = {}  # arm key -> status
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distances")
+        self.futures = []
+
+    def arrived(self, key: str, st: dict) -> None:
+        opt, _, arm = key.partition("/")
+        self.ended[key] = st.get("status")
+        ref = f"{opt}/reference"
+        if self.ended.get(ref) != "OK":
+            return
+        todo = [key] if arm != "reference" else [k for k in self.ended if k.startswith(f"{opt}/") and k != ref]
+        for k in todo:
+            if self.ended[k] == "OK":
+                self.futures.append(self.pool.submit(self.files.distances, self.out / ref, self.out / k,
+                                                     self.buckets, self.smooth))
+
+    def finish(self) -> None:
+        """Waits for what was started (the judging must not read the memo while this thread writes it)."""
+        concurrent.futures.wait(self.futures)
+        self.pool.shutdown(wait=True)
 
 
 def _probe_outcome(probe, probing) -> tuple:
@@ -226,12 +265,14 @@ def _probe_outcome(probe, probing) -> tuple:
     return probe, probe_error
 
 
-def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, starts) -> int:
+def _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, starts,
+              files=None) -> int:
     """Judge, write verdict.json, print the table, publish; the exit code. `starts`: when `ab` began, when its
-    arms began."""
+    arms began; `files`: this run's reads and distances (compare.ArmFiles), for the verdict, then the report and
+    wandb."""
     t_start, t0 = starts
     t_judge = time.time()
-    files = compare.ArmFiles()  # this run's reads and distances, for the verdict, then the report and wandb
+    files = files or compare.ArmFiles()
     result = judge(recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error, files)
     result["timings"] = {"prepare_s": round(t0 - t_start, 2), "arms_s": round(t_judge - t0, 2),
                          "judge_s": round(time.time() - t_judge, 2)}
