@@ -154,8 +154,8 @@ class Placer:
         """What a process holds beyond its allocator's record, measured on the GPU: while one arm of this run is
         alone on a GPU, no probe there, and its record has not changed for STEADY_S, the GPU's use by others than
         this process, less that use before the arm (`base`), less the record and CONTEXT_BYTES for each of its
-        kernel servers (_bytes), is that overhead (its CUDA contexts, cuBLAS workspaces, loaded kernels, its kernel server's); where larger than
-        `context`, it becomes `context`, and every need is computed with it. Anything else that grew on the GPU
+        kernel servers (_bytes), is that overhead (its CUDA context, cuBLAS workspaces, loaded kernels); where larger
+        than `context`, it becomes `context`, and every need is computed with it. Anything else that grew on the GPU
         meanwhile (another user's work) counts as the arm's: too much here starts fewer arms at once, too little runs
         one out of memory. Also follows each kind's records and the largest a probe has needed."""
         now = time.monotonic()

@@ -93,9 +93,9 @@ class Lockstep:
             # No CUDA graphs: the check runs on autograd's thread, beside the step's graphs.
             opts = compile_options(recipe.train.compile, cudagraphs=False)
             self.measure, self.compiled = torch.compile(self._measure, dynamic=False, **opts), True
-        # On a GPU arm whose recipe replays CUDA graphs, the whole check (the reference op, the float64 oracle, the
-        # input-mutation flags and the metrics) replays as one graph per input signature (CheckGraphs): eager it is
-        # about 120 launches a check, and the candidate's arm is host-bound.
+        # On a GPU arm whose recipe replays CUDA graphs, the check's body (the reference op, the float64 oracle and
+        # the metrics) replays as one graph per input signature (CheckGraphs): eager it is about 120 launches a
+        # check, and the candidate's arm is host-bound.
         self.graphs = CheckGraphs() if _graphs_wanted(recipe) else None
         kernels.add_tap(self.tap, [self.slot], before=self.before)
         recorder.lockstep = self
@@ -369,5 +369,6 @@ class CheckGraphs:
     def describe(self) -> str:
         said = sorted({g.describe("g")["g"] for g in self.graphs.values()})
         if self.too_large:
-            said.append(f"eager for calls of {self.too_large / 2**20:.0f} MiB (graphs up to {self.MAX_BYTES >> 20} MiB)")
+            said.append(f"eager for calls of {self.too_large / 2**20:.0f} MiB "
+                        f"(graphs up to {self.MAX_BYTES >> 20} MiB)")
         return "; ".join(said) or "no call checked through a graph"

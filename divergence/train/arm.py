@@ -95,8 +95,9 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     `watcher(recipe, slot, kernels, corpus, recorder)` builds the check an ArmSpec with `lockstep` asks for (the
     detectors' Lockstep, passed down by the orchestration layer: training never imports the detectors); its
     `summary()` goes into arm.json. `callbacks`: extra Lightning callbacks (the bench's profiler steps). `hold()`,
-    where given, is called once everything is set up on the host and before the arm's first touch of its GPU (the
-    model still on the CPU): it returns when the scheduler lets the arm train (ab/runner.py: a pre-started arm)."""
+    where given, is called once everything is set up on the host and before this process's first touch of its GPU
+    (the model still on the CPU; a candidate's kernel server, started with the kernels, holds a CUDA context of its
+    own already): it returns when the scheduler lets the arm train (ab/runner.py: a pre-started arm)."""
     from .module import ArmModule  # imports lightning.pytorch first: it sets its loggers' levels on import
     from ..data import load_corpus
 
