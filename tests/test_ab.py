@@ -652,3 +652,27 @@ def test_each_arms_distances_are_computed_while_the_others_train(tmp_path, monke
     arms = sorted(name for name, _ in computed)
     assert arms == ["candidate", "null-1", "null-2"], computed  # each once (tiny: two nulls)
     assert all(thread.startswith("distances") for _, thread in computed), computed
+
+
+def test_distances_wait_for_the_judge_where_the_candidate_could_write_the_arms_files(tmp_path, monkeypatch):
+    """In-process (the opt-out), a candidate arm still running could rewrite an ended arm's files, and what a
+    thread read then would reach the verdict before the tripwire looked at them: every distance is computed at
+    judging, after the last arm."""
+    import threading
+
+    from divergence.detect import distances
+    from divergence.sandbox import OPT_OUT
+
+    computed = []
+    real = distances.scalar_distances
+
+    def counting(ref_dir, arm_dir, *a, **k):
+        computed.append((Path(arm_dir).name, threading.current_thread().name))
+        return real(ref_dir, arm_dir, *a, **k)
+
+    monkeypatch.setattr(distances, "scalar_distances", counting)
+    monkeypatch.setenv("DIVERGENCE_ARMS_CACHE", str(tmp_path / "arms"))
+    monkeypatch.setenv(OPT_OUT, "off")
+    assert ab(tmp_path / "run", "--candidate", "zoo:embed_fp64_accum") == 0
+    assert sorted(name for name, _ in computed) == ["candidate", "null-1", "null-2"], computed
+    assert not any(thread.startswith("distances") for _, thread in computed), computed

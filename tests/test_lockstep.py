@@ -276,7 +276,31 @@ def test_the_check_through_a_graph_measures_each_call_on_its_own_inputs():
     assert all(torch.equal(a, b) for a, b in rows)
     assert len({tuple(a.tolist()) for a, _ in rows}) == 5  # five calls, five different rows: no replay of an old one
     (g,) = graphed.graphs.graphs.values()
-    assert g.graph.replays == 3 and graphed.graphs.describe() == "captured at check 1"
+    assert g.graph.replays == 3 and graphed.graphs.describe() == "1 input signature(s): captured at check 1"
+
+
+def test_check_graphs_are_per_input_layout_and_a_few_at_most(monkeypatch):
+    """Inputs of the same shape in another memory layout are another signature (its own graph); past MAX
+    signatures the check runs eagerly, with the same rows, and says how many did."""
+    import torch
+
+    from divergence.detect.lockstep import CheckGraphs
+    from divergence.slots import rmsnorm
+
+    monkeypatch.setattr(CheckGraphs, "MAX", 2)
+    lk, kernels = _rmsnorm_lockstep()
+    eager, _ = _rmsnorm_lockstep()
+    lk.graphs = CheckGraphs(capture=_stand_in_capture)
+    x, w, eps = rmsnorm.make_inputs(torch.Generator().manual_seed(0), dtype=torch.float32)
+    x2 = x[: len(x) // 2].clone()  # fewer rows: another signature
+    layouts = [x, x.transpose(0, 1).contiguous().transpose(0, 1), x2]  # the second: the same shape, other strides
+    for xi in layouts * 2:
+        out = kernels("rmsnorm", xi.contiguous(), w, eps)
+        got = lk._check((xi, w, eps), (out,), (xi, w, eps))
+        assert torch.equal(got, eager._check((xi, w, eps), (out,), (xi, w, eps)))
+    assert len(lk.graphs.graphs) == 2 and len(lk.graphs.beyond) == 1
+    assert lk.graphs.describe() == ("2 input signature(s): captured at check 1; 1 more input "
+                                    "signature(s) checked eagerly (graphs for 2 at most)")
 
 
 def test_a_check_graph_that_cannot_be_captured_leaves_the_check_eager_and_says_why():

@@ -38,13 +38,16 @@ def _others_on_gpu(here: Path, me: str) -> list:
     return [p.name for p in here.iterdir() if p.name != me]
 
 
-def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
+def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None, go=None):
     """An arm that holds `peak` bytes of a simulated GPU for `run_s` seconds: it records its peak (as watch_arm
     does) and a first metrics row, then ends OK; or, as world.json says, with CUDA's out-of-memory error when
-    another arm shared the GPU at any time of its run ("shared"), or always ("always")."""
+    another arm shared the GPU at any time of its run ("shared"), or always ("always"). Pre-started (`go`), it
+    touches the GPU only once let go."""
     from divergence.train.metrics import write_json
 
     os.setsid()
+    if go is not None:
+        go.wait(60)
     out = Path(out_dir)
     w = _world(out.parent)
     here = out.parent / "on-gpu"
@@ -151,9 +154,12 @@ def test_what_a_process_holds_beyond_its_record_is_measured_on_the_gpu(tmp_path,
     assert at_once(tmp_path) == 3
 
 
-def test_an_arm_out_of_memory_beside_others_trains_again_alone(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_an_arm_out_of_memory_beside_others_trains_again_alone(tmp_path, monkeypatch, prefetch):
     """Arms that share the GPU run out of memory (as an arm does beside arms that hold more than measured); each
-    trains again with the GPU to itself and ends OK: the machine's doing is nobody's finding."""
+    trains again with the GPU to itself and ends OK: the machine's doing is nobody's finding. With arms pre-started
+    (runner.PREFETCH, as on one GPU), the same: none is held while one waits to be alone, none is left behind."""
+    monkeypatch.setattr(runner, "prefetch_arms", lambda device, gpus: prefetch)
     recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=0.6, oom={"null-2": "shared", "candidate": "shared"})
     said = []
     jobs = arms(tmp_path, ["null-1", "null-2", "candidate"])
@@ -184,9 +190,11 @@ def test_an_arm_out_of_memory_alone_is_an_error_naming_the_bytes(tmp_path, monke
     assert runner.kept_on_resume(arms(tmp_path, ["null-1"])[0], st) is False  # a resume (a larger GPU) tries again
 
 
-def test_an_arm_that_cannot_have_the_gpu_alone_is_not_judged(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_an_arm_that_cannot_have_the_gpu_alone_is_not_judged(tmp_path, monkeypatch, prefetch):
     """Another divergence process holds the GPU (its lock shared) all along: the arm that ran out of memory beside
     it waits for the GPU to itself up to its limit, then ends with ERROR naming the free memory, not a CRASH."""
+    monkeypatch.setattr(runner, "prefetch_arms", lambda device, gpus: prefetch)
     recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=0.3, oom={"candidate": "always"})
     other = G.GpuLock("sim-0", tmp_path / "locks")
     assert other.try_share()
@@ -559,3 +567,59 @@ def test_a_kernel_server_is_charged_a_context_not_the_training_process_overhead(
     assert placer._bytes((25 * GiB, 2)) == 25 * GiB + placer.context + G.CONTEXT_BYTES
     two = 2 * placer._bytes((25 * GiB, 2)) + memory.MARGIN * 80 * GiB
     assert two <= 78 * GiB  # two candidate arms fit on an H100 80GB's free memory
+
+
+def test_no_arm_is_held_while_another_waits_to_train_alone(tmp_path, monkeypatch, tiny):
+    """The next arm is pre-started (held, set up, until its turn) except while an arm waits to train alone: the
+    held arm is ended (a candidate's kernel server would hold a context on the GPU wanted alone) and the arm to run
+    alone is not pre-started (its folder is emptied at its start, while its last process may still be exiting).
+    The placer is told of held kernel servers, whose context it must not measure as an arm's."""
+    from types import SimpleNamespace
+
+    started, killed = [], []
+    monkeypatch.setattr(runner, "_start", lambda job, *a, **k: started.append(job.key) or f"proc {job.key}")
+    monkeypatch.setattr(runner, "kill_group", killed.append)
+    jobs = arms(tmp_path, ["null-1", "candidate", "null-2"])
+    placer, held = SimpleNamespace(held_servers=None), {}
+    runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer)
+    assert list(held) == ["sgd/candidate"] and placer.held_servers == 1
+    runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer)  # held already: not started twice
+    assert started == ["sgd/candidate"]
+    jobs[0].alone = True  # out of memory beside others: back at the front, to train alone
+    runner._prefetch(tiny, jobs, held, None, "cpu", placer)
+    assert held == {} and killed == ["proc sgd/candidate"] and started == ["sgd/candidate"]
+    assert placer.held_servers == 0
+    runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer)  # it has started: the next is held again
+    assert list(held) == ["sgd/candidate"] and started == ["sgd/candidate"] * 2
+
+
+def test_the_placer_measures_no_overhead_beside_a_held_kernel_server(tmp_path):
+    """A pre-started candidate arm's kernel server holds a CUDA context on the GPU before its arm is let go: while
+    one waits, what the GPU's use says beyond the running arm's record is not taken as that arm's overhead."""
+    used = {"bytes": 0}
+    p = memory.Placer(["0"], 4, query=lambda i: (TOTAL - used["bytes"], TOTAL),
+                      lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"), own=lambda i: 0, say=lambda *a, **k: None)
+    job = arms(tmp_path, ["null-1"])[0]
+    job.out_dir.mkdir(parents=True)
+    (job.out_dir / memory.MEMORY_FILE).write_text(json.dumps({"peak_reserved_bytes": 10 * GiB}))
+    p.observe()  # nothing of this run there: the use before it
+    p.started(job, 0, None)
+    used["bytes"] = 10 * GiB + memory.CONTEXT_BYTES + 6 * GiB  # 6 GiB of it: a held server's context and more
+    p.held_servers = 1
+    for _ in range(3):
+        p._observed_at = 0.0
+        p.observe()
+        time.sleep(memory.STEADY_S / 2 + 0.05)
+    assert p.context == memory.CONTEXT_BYTES
+    p.held_servers = 0  # gone: measured again from a use with nothing of this run on the GPU
+    p.live[0].clear()
+    used["bytes"] = 0
+    p._observed_at = 0.0
+    p.observe()
+    p.started(job, 0, None)
+    used["bytes"] = 10 * GiB + 6 * GiB
+    for _ in range(3):
+        p._observed_at = 0.0
+        p.observe()
+        time.sleep(memory.STEADY_S / 2 + 0.05)
+    assert p.context == 6 * GiB

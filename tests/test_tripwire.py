@@ -198,6 +198,13 @@ def test_only_a_landlocked_kernel_server_counts_as_confined():
     assert not writes_confined(Impl())
     Impl.fn = lambda *a: None  # in-process
     assert not writes_confined(Impl())
+    # What `ab` and `soak` hold: the load worker's account of the candidate (probe/isolate.load_meta)
+    from types import SimpleNamespace
+
+    assert writes_confined(SimpleNamespace(isolation="sandboxed process", sandbox={"landlock": 4}))
+    assert not writes_confined(SimpleNamespace(isolation="sandboxed process", sandbox={"landlock": False}))
+    assert not writes_confined(SimpleNamespace(isolation="in-process (opt-out)"))
+    assert not writes_confined(SimpleNamespace(name="a test's stand-in"))
 
 
 @pytest.mark.parametrize("why, rows, evals_seed", [

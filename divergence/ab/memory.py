@@ -115,6 +115,9 @@ class Placer:
         self.probe_peak = (0, 0)  # the largest record of any probe seen on a GPU (gpu.tenant): (bytes, processes)
         self._probes_seen = set()  # their record folders: read again after they end, for their last growth
         self.probes = [[] for _ in self.gpus]  # per GPU: the probes' record folders there, as observe() last read
+        # Pre-started arms (ab/runner.PREFETCH) waiting with a candidate's kernel server, which holds a CUDA
+        # context on the GPU outside any arm's record: set by the scheduler.
+        self.held_servers = 0
 
     @classmethod
     def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
@@ -124,9 +127,9 @@ class Placer:
 
     def _bytes(self, rec: Optional[tuple]) -> int:
         """A record's need with the context as measured now: its peak, plus `context` for its first process and
-        CONTEXT_BYTES for each other one. The others are kernel servers: a CUDA context and the candidate's code
-        beyond what their allocators record (counted in the peak), none of the training process's compiled graphs,
-        cudagraph pools or workspaces. Charged `context` each, a soak's candidate arms were sized at 9.5 GiB over
+        CONTEXT_BYTES for each other one. The others are kernel servers (a candidate arm's, or a probe's worker):
+        a CUDA context and the candidate's code beyond what their allocators record (counted in the peak), none of
+        the training process's compiled graphs, cudagraph pools or workspaces. Charged `context` each, a soak's candidate arms were sized at 9.5 GiB over
         their record where the training process had measured 4.74 GiB, and ran one after another on an 80 GB
         card where two fit (8 candidates at 4096 x 65,536, one H100, 2026-11-28: 285 s of the soak's 427)."""
         return 0 if rec is None else rec[0] + self.context + G.CONTEXT_BYTES * max(0, rec[1] - 1)
@@ -154,10 +157,12 @@ class Placer:
         """What a process holds beyond its allocator's record, measured on the GPU: while one arm of this run is
         alone on a GPU, no probe there, and its record has not changed for STEADY_S, the GPU's use by others than
         this process, less that use before the arm (`base`), less the record and CONTEXT_BYTES for each of its
-        kernel servers (_bytes), is that overhead (its CUDA context, cuBLAS workspaces, loaded kernels); where larger
-        than `context`, it becomes `context`, and every need is computed with it. Anything else that grew on the GPU
-        meanwhile (another user's work) counts as the arm's: too much here starts fewer arms at once, too little runs
-        one out of memory. Also follows each kind's records and the largest a probe has needed."""
+        kernel servers (_bytes), is that overhead (its CUDA context, cuBLAS workspaces, loaded kernels); where
+        larger than `context`, it becomes `context`, and every need is computed with it. Not measured while a
+        pre-started arm's kernel server waits (`held_servers`): its context would count as the arm's. Anything else
+        that grew on the GPU meanwhile (another user's work) counts as the arm's: too much here starts fewer arms at
+        once, too little runs one out of memory. Also follows each kind's records and the largest a probe has
+        needed."""
         now = time.monotonic()
         if now - self._observed_at < OBSERVE_S:
             return
@@ -169,8 +174,8 @@ class Placer:
         for i, live in enumerate(self.live):
             probes = self.probes[i] = G.tenants(self.locks[i])  # read here only: decide() runs 20 times a second
             self._probes_seen.update(probes)
-            if probes:  # their memory would count as the arm's, and the use before them is not the use after
-                self.base[i] = None
+            if probes or self.held_servers:  # their memory would count as the arm's, and the use before them is
+                self.base[i] = None  # not the use after
                 continue
             if not live:
                 self.base[i] = self._used(i)[0]
@@ -220,7 +225,7 @@ class Placer:
         known = list(self.measured.values()) + ([job.memory_record] if getattr(job, "memory_record", None) else [])
         if not known:
             return None
-        extra = self.context if kind(job)[1] == "candidate" else 0
+        extra = G.CONTEXT_BYTES if kind(job)[1] == "candidate" else 0  # its kernel server's context
         return max(self._bytes(r) for r in known) + extra
 
     def _yet_to_take(self, job) -> int:

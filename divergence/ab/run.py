@@ -114,7 +114,8 @@ def cmd_ab(args, publish=None) -> int:
     for said in getattr(impl, "settings", None) or []:
         print(f"  note: the candidate {said}", flush=True)
     probe, probing = _start_probe(args, slot, cand, out, recipe, device, definition)
-    vocab, arms, t0, files = _train_arms(args, recipe, slot, cand, opts, out, device, corpus)
+    vocab, arms, t0, files = _train_arms(args, recipe, slot, cand, opts, out, device, corpus,
+                                         ahead=sandbox.writes_confined(impl))
     probe, probe_error = _probe_outcome(probe, probing)
     return _conclude(args, publish, recipe, slot, impl, opts, out, arms, corpus, vocab, probe, probe_error,
                      (t_start, t0), files)
@@ -193,17 +194,25 @@ def _start_probe(args, slot, cand, out, recipe, device, definition=None) -> tupl
     return probe, probing
 
 
-def _train_arms(args, recipe, slot, cand, opts, out, device, corpus) -> tuple:
-    """(vocab, {arm key: arm info}, start time, the run's ArmFiles) once every arm is trained, shared or kept; each
-    arm's distances from its reference computed meanwhile (DistancesAhead)."""
+def _train_arms(args, recipe, slot, cand, opts, out, device, corpus, ahead: bool = False) -> tuple:
+    """(vocab, {arm key: arm info}, start time, the run's ArmFiles) once every arm is trained, shared or kept; with
+    `ahead`, each arm's distances from its reference computed meanwhile (DistancesAhead): only where the candidate
+    cannot write the arms' files (sandbox.writes_confined), since what is read while a candidate arm still runs
+    would be read before the judge's tripwire looks at those files."""
     from ..train.arm import model_vocab
+    from .runner import arm_status, kept_on_resume
     from .share import ArmsCache, run_shared
 
     vocab = model_vocab(recipe, corpus)
     jobs = plan_arms(recipe, slot, cand, opts, out, lockstep=recipe.ab.lockstep_every > 0)
     total, t0 = len(jobs), time.time()
     finished = []
-    ahead = DistancesAhead(out, *judge_context(recipe, corpus, vocab))
+    ahead = DistancesAhead(out, *judge_context(recipe, corpus, vocab), enabled=ahead)
+    if args.resume:  # the arms a resume keeps end before this run starts: none arrives through on_done
+        for job in jobs:
+            st = arm_status(job.out_dir)
+            if kept_on_resume(job, st):
+                ahead.ended[job.key] = st.get("status")
 
     def on_done(key, st):
         finished.append(key)
@@ -216,8 +225,10 @@ def _train_arms(args, recipe, slot, cand, opts, out, device, corpus) -> tuple:
         arms, _ = run_shared(recipe, jobs, corpus, device,
                              lambda todo, done: run_jobs(recipe, todo, corpus, device, workers, on_done=done),
                              ArmsCache.from_env(), fresh=getattr(args, "fresh", False), on_done=on_done)
-    finally:
-        ahead.finish()
+    except BaseException:
+        ahead.finish(cancel=True)  # what is queued is not needed: the run ends here
+        raise
+    ahead.finish()
     return vocab, arms, t0, ahead.files
 
 
@@ -227,12 +238,12 @@ class DistancesAhead:
     the last arm then reads (it checks each arm's files first: a file changed since is read again, under its new
     version). At 4096 x 65,536 the judging after the default A/B's last arm took 54 s (one H100, 2026-11-28), most
     of it reading snapshots of arms that had ended minutes before. A failure here is left to the judging, which
-    computes the same distances again and says what failed."""
+    computes the same distances again and says what failed. Not `enabled`: it only keeps the ArmFiles."""
 
-    def __init__(self, out: Path, buckets, smooth: int):
-        self.out, self.buckets, self.smooth = Path(out), buckets, smooth
+    def __init__(self, out: Path, buckets, smooth: int, enabled: bool = True):
+        self.out, self.buckets, self.smooth, self.enabled = Path(out), buckets, smooth, enabled
         self.files = compare.ArmFiles()
-        self.ended = {}  # arm key -> status
+        self.ended = {}  # arm key -> status; with those a resume kept
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distances")
         self.futures = []
 
@@ -240,6 +251,8 @@ class DistancesAhead:
         opt, _, arm = key.partition("/")
         self.ended[key] = st.get("status")
         ref = f"{opt}/reference"
+        if not self.enabled:
+            return
         if self.ended.get(ref) != "OK":
             return
         todo = [key] if arm != "reference" else [k for k in self.ended if k.startswith(f"{opt}/") and k != ref]
@@ -248,8 +261,12 @@ class DistancesAhead:
                 self.futures.append(self.pool.submit(self.files.distances, self.out / ref, self.out / k,
                                                      self.buckets, self.smooth))
 
-    def finish(self) -> None:
-        """Waits for what was started (the judging must not read the memo while this thread writes it)."""
+    def finish(self, cancel: bool = False) -> None:
+        """Waits for what was started (the judging must not read the memo while this thread writes it); with
+        `cancel` (the run failed or was stopped), drops what has not started and does not wait."""
+        if cancel:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
         concurrent.futures.wait(self.futures)
         self.pool.shutdown(wait=True)
 

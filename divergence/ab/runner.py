@@ -236,14 +236,15 @@ def run_jobs(recipe, jobs, corpus, device: str, workers: int, on_done=None, plac
         for proc in [entry[1] for entry in running.values()] + [proc for proc, _ in draining] + held:
             kill_group(proc)
         raise
-    for _, proc, _ in (prefetch or {}).values():  # none is left unless the scheduler gave its job up
+    for _, proc, _ in (prefetch or {}).values():  # none is left: each held arm was let go or ended by _prefetch
         kill_group(proc)
     return results
 
 
 # How many arms are started ahead of their turn: each does its set-up on the host (its process, the corpus, the
-# kernels and their servers, the model on the CPU, Lightning) and then waits, before its first touch of the GPU,
-# for the scheduler to let it train, where it would have started it. On one H100 at production shapes
+# kernels and their servers, the model on the CPU, Lightning) and then waits, before its training process touches
+# the GPU (a candidate's kernel server has started CUDA already: Placer.held_servers), for the scheduler to let it
+# train, where it would have started it. On one H100 at production shapes
 # (2026-11-28, the default A/B at 4096 x 65,536) an arm's set-up was 10-16 s between the end of one arm and the
 # first step of the next, with the card idle; pre-started, that set-up runs while the others train.
 PREFETCH = 1
@@ -323,7 +324,7 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
         _fill(recipe, queue, running, gpus, corpus, device, gate.room(running, workers), gate, placer, retire,
               prefetch)
         if prefetch is not None:
-            _prefetch(recipe, queue, prefetch, corpus, device)
+            _prefetch(recipe, queue, prefetch, corpus, device, placer)
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire, stop)
@@ -375,14 +376,25 @@ def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer,
         gate.started(job)
 
 
-def _prefetch(recipe, queue, prefetch: dict, corpus, device: str) -> None:
-    """Pre-start the first PREFETCH jobs of the queue (those it would start next, in its order) not yet started."""
-    for job in queue[:PREFETCH]:
+def _prefetch(recipe, queue, prefetch: dict, corpus, device: str, placer: Optional[Placer] = None) -> None:
+    """Pre-start the first PREFETCH jobs of the queue (those it would start next, in its order) not yet started;
+    a held arm no longer among them is ended (its job stays queued). None while an arm waits to train alone (after
+    running out of memory beside others): a held candidate arm's kernel server holds a CUDA context on the GPU it
+    waits to have to itself, and that arm is not pre-started either: its folder is emptied at its start, while the
+    process that ran out of memory there may still be exiting. Tells `placer` how many held arms hold a kernel
+    server (Placer.observe does not measure beside them)."""
+    wanted = [] if any(job.alone for job in queue) else queue[:PREFETCH]
+    keys = {job.key for job in wanted}
+    for key in [k for k in prefetch if k not in keys]:
+        kill_group(prefetch.pop(key)[1])
+    for job in wanted:
         if job.key in prefetch:
             continue
         r = job.recipe or recipe
         go = _context(start_method(device, r.train.threads, r.ab.arm_start), compiled=bool(r.train.compile)).Event()
         prefetch[job.key] = [job, _start(job, recipe, None, None, corpus, device, go), go]
+    if placer is not None:
+        placer.held_servers = sum(1 for job, _, _ in prefetch.values() if job.spec.runs_candidate)
 
 
 def _reap(draining: list):
@@ -579,7 +591,8 @@ def _watch(key: str, running: dict, draining: list, ab, retire, now: float):
 
 
 def _record_process_s(job, st: dict, seconds: float):
-    """The arm's whole life, start-up and exit included, beside its own timings in its arm.json."""
+    """The arm's life from when the scheduler let it train (for a pre-started arm, its set-up and wait before are
+    its timings' setup_s and held_s), its exit included, beside its own timings in its arm.json."""
     st.setdefault("timings", {})["process_s"] = round(seconds, 2)
     write_json(Path(job.out_dir) / "arm.json", st)
 

@@ -189,8 +189,8 @@ class Lockstep:
         try:
             return self.measure(*args)
         except Exception as e:
-            if not self.compiled:
-                raise
+            if not self.compiled or (getattr(cand[0], "is_cuda", False) and torch.cuda.is_current_stream_capturing()):
+                raise  # uncompiled, or a check graph's capture that failed: its graph is given up, not the compiler
             row = self._measure(*args)  # raises again where the candidate's outputs are at fault, not the compiler
             # Our compiled code failed where eager metrics work: check on, eagerly, and say so.
             self.compile_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -332,6 +332,7 @@ class CheckGraphs:
         self.pool = SharedPool()
         self.graphs = {}  # signature -> StepGraph
         self.too_large = 0  # the largest call left eager for its size (bytes of its inputs and outputs)
+        self.beyond = set()  # signatures past MAX, checked eagerly
         self._capture = capture  # injectable for tests (train/stepgraph.StepGraph's `capture`)
 
     def fits(self, device, inputs, cand) -> bool:
@@ -349,10 +350,12 @@ class CheckGraphs:
     def __call__(self, body, inputs, cand) -> torch.Tensor:
         consts = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        sig = (tuple(consts.items()), tuple((tuple(x.shape), x.dtype, x.device) for x in (*tensors, *cand)))
+        sig = (tuple(consts.items()),
+               tuple((tuple(x.shape), x.stride(), x.dtype, x.device) for x in (*tensors, *cand)))
         graph = self.graphs.get(sig)
         if graph is None:
             if len(self.graphs) >= self.MAX:
+                self.beyond.add(sig)
                 return body(inputs, cand)
             from ..train.stepgraph import StepGraph
 
@@ -367,7 +370,11 @@ class CheckGraphs:
         return graph(run, *tensors, *cand)
 
     def describe(self) -> str:
-        said = sorted({g.describe("g")["g"] for g in self.graphs.values()})
+        """What went through graphs: each kind of outcome once, with how many signatures had it."""
+        outcomes = [g.describe("g")["g"] for g in self.graphs.values()]
+        said = [f"{outcomes.count(o)} input signature(s): {o}" for o in sorted(set(outcomes))]
+        if self.beyond:
+            said.append(f"{len(self.beyond)} more input signature(s) checked eagerly (graphs for {self.MAX} at most)")
         if self.too_large:
             said.append(f"eager for calls of {self.too_large / 2**20:.0f} MiB "
                         f"(graphs up to {self.MAX_BYTES >> 20} MiB)")

@@ -42,12 +42,15 @@ def isolation_of(impl) -> dict:
 
 
 def writes_confined(impl) -> bool:
-    """Whether a loaded candidate runs in a kernel server that Landlock keeps from writing outside its scratch
-    folder (its arm's files out of its reach)."""
-    if getattr(impl, "fn", None) is None:  # nothing loaded (a test's stand-in)
-        return False
-    iso = isolation_of(impl)
-    return iso.get("isolation") == SANDBOXED and bool(iso.get("sandbox", {}).get("landlock"))
+    """Whether a candidate runs in a kernel server that Landlock keeps from writing outside its scratch folder (its
+    arm's files out of its reach). `impl`: a loaded implementation, or what a load worker said of one
+    (probe/isolate.load_meta: its `isolation` and `sandbox`, as `ab` and `soak` hold it; every arm's server is
+    started by the same code on the same machine)."""
+    if getattr(impl, "fn", None) is not None:
+        iso = isolation_of(impl)
+    else:
+        iso = {"isolation": getattr(impl, "isolation", None), "sandbox": getattr(impl, "sandbox", None)}
+    return iso.get("isolation") == SANDBOXED and bool((iso.get("sandbox") or {}).get("landlock"))
 
 
 def use_recipe(recipe) -> None:

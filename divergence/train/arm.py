@@ -71,10 +71,11 @@ def resolve_precision(recipe, device: str) -> str:
     return {"fp32": "32-true", "bf16-mixed": "bf16-mixed"}[p]
 
 
-def environment(device: str) -> dict:
+def environment(device: str, gpu: bool = True) -> dict:
+    """Where the arm runs; `gpu=False` leaves out the GPU's name, whose query starts CUDA in this process."""
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
            "host": platform.node(), "threads": torch.get_num_threads()}
-    if device == "cuda":
+    if device == "cuda" and gpu:
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # which GPU of the host ran the arm
     return env
@@ -118,7 +119,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
-            "vocab_size": vocab, "env": environment(device), "status": "RUNNING"}
+            "vocab_size": vocab, "env": environment(device, gpu=hold is None), "status": "RUNNING"}
     write_json(out / "arm.json", info)
     rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25, device=device)
     rec.watch_nonfinite(kernels)
@@ -129,6 +130,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     rec.t["setup_s"] = time.perf_counter() - t_enter  # corpus (when not given), kernels, model, recorder
     if hold is not None:
         rec.t["held_s"] = hold()
+        info["env"] = environment(device)  # the GPU's name now: asking for it earlier started CUDA while held
     t0 = time.time()
     if boot_s is not None:
         rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
