@@ -631,37 +631,19 @@ def test_a_pre_started_arm_sets_up_while_another_trains_and_trains_the_same(tmp_
         assert read_metrics(a.out_dir / "metrics.jsonl") == read_metrics(b.out_dir / "metrics.jsonl")
 
 
-def test_each_arms_distances_are_computed_while_the_others_train(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sandbox", ["on", "off"])
+def test_each_arms_distances_are_computed_while_the_others_train_where_its_files_are_safe(tmp_path, monkeypatch,
+                                                                                         sandbox):
     """The A/B computes each arm's distances from its reference once both have ended, on a thread beside the
     training (run.DistancesAhead): the judging after the last arm reads every one from the run's memo, computing
-    none again."""
-    import threading
-
-    from divergence.detect import distances
-
-    computed = []
-    real = distances.scalar_distances
-
-    def counting(ref_dir, arm_dir, *a, **k):
-        computed.append((Path(arm_dir).name, threading.current_thread().name))
-        return real(ref_dir, arm_dir, *a, **k)
-
-    monkeypatch.setattr(distances, "scalar_distances", counting)
-    monkeypatch.setenv("DIVERGENCE_ARMS_CACHE", str(tmp_path / "arms"))
-    assert ab(tmp_path / "run", "--candidate", "zoo:embed_fp64_accum") == 0
-    arms = sorted(name for name, _ in computed)
-    assert arms == ["candidate", "null-1", "null-2"], computed  # each once (tiny: two nulls)
-    assert all(thread.startswith("distances") for _, thread in computed), computed
-
-
-def test_distances_wait_for_the_judge_where_the_candidate_could_write_the_arms_files(tmp_path, monkeypatch):
-    """In-process (the opt-out), a candidate arm still running could rewrite an ended arm's files, and what a
-    thread read then would reach the verdict before the tripwire looked at them: every distance is computed at
-    judging, after the last arm."""
+    none again. Only where Landlock keeps the candidate's kernel server from writing the arms' files: in-process
+    (the opt-out), a candidate arm still running could rewrite an ended arm's files, and what a thread read then
+    would reach the verdict before the tripwire looked at them, so every distance is computed at judging."""
     import threading
 
     from divergence.detect import distances
     from divergence.sandbox import OPT_OUT
+    from divergence.sandbox.kernel_server import landlock_abi
 
     computed = []
     real = distances.scalar_distances
@@ -672,7 +654,9 @@ def test_distances_wait_for_the_judge_where_the_candidate_could_write_the_arms_f
 
     monkeypatch.setattr(distances, "scalar_distances", counting)
     monkeypatch.setenv("DIVERGENCE_ARMS_CACHE", str(tmp_path / "arms"))
-    monkeypatch.setenv(OPT_OUT, "off")
+    monkeypatch.setenv(OPT_OUT, sandbox)
     assert ab(tmp_path / "run", "--candidate", "zoo:embed_fp64_accum") == 0
-    assert sorted(name for name, _ in computed) == ["candidate", "null-1", "null-2"], computed
-    assert not any(thread.startswith("distances") for _, thread in computed), computed
+    arms = sorted(name for name, _ in computed)
+    assert arms == ["candidate", "null-1", "null-2"], computed  # each once (tiny: two nulls)
+    ahead = [thread.startswith("distances") for _, thread in computed]
+    assert ahead == [sandbox == "on" and landlock_abi() > 0] * 3, computed
