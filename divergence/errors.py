@@ -20,3 +20,11 @@ class DataError(UserError):
 class OutputError(CandidateError):
     """What a candidate hands training is not what was checked: an output that is more than a plain tensor, one
     that its next call overwrites, or a hook or gradient it changed beyond its outputs."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception in one line for a message: its type's name and its text's first line, or "(no message)" where
+    it has none, so that no message ends in an empty reason; at most `limit` characters."""
+    text = str(e).strip()
+    said = f"{type(e).__name__}: {text.splitlines()[0]}" if text else f"{type(e).__name__} (no message)"
+    return said[:limit]

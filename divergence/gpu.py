@@ -101,6 +101,44 @@ def record(folder) -> Optional[tuple]:
     return peak, max(1, procs)
 
 
+# An arm's kernel servers' process ids, written by the arm once they have started: each is a process of its own
+# session (sandbox/client.py), whose CUDA context outlives the arm's process group's kill until its reaper has
+# killed it, so the scheduler waits for them before it lets an arm have the GPU to itself (ab/memory.Placer).
+SERVERS_FILE = "kernel_servers.json"  # {"pids": [...]}
+
+
+def write_servers(folder, pids: list) -> None:
+    tmp = Path(folder) / f".{SERVERS_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps({"pids": [int(p) for p in pids]}) + "\n")
+    os.replace(tmp, Path(folder) / SERVERS_FILE)
+
+
+def servers_of(folder) -> list:
+    """The kernel server process ids an arm's folder names (SERVERS_FILE); [] where none."""
+    try:
+        pids = json.loads((Path(folder) / SERVERS_FILE).read_text())["pids"]
+        return [int(p) for p in pids if int(p) > 1]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, its memory already released, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 def own_reserved(index: int) -> int:
     """What this process's own allocator holds on visible GPU `index` (0 where it has not started CUDA): the
     scheduler's process trains a probe's capture run and builds probe inputs there, and that memory is its own."""

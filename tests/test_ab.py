@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from divergence import rule
+from divergence import gpu as G, rule
 from divergence.detect import distances as compare, verdict
 from divergence.detect.buckets import bucket_rows
 from divergence.cli import main
@@ -660,3 +660,12 @@ def test_each_arms_distances_are_computed_while_the_others_train_where_its_files
     assert arms == ["candidate", "null-1", "null-2"], computed  # each once (tiny: two nulls)
     ahead = [thread.startswith("distances") for _, thread in computed]
     assert ahead == [sandbox == "on" and landlock_abi() > 0] * 3, computed
+    # The same confinement, as the candidate arm recorded it, leaves out the tripwire's identical-training check,
+    # and the verdict says so; unconfined, the check runs
+    iso = json.loads((tmp_path / "run" / "sgd" / "candidate" / "arm.json").read_text())["isolation"]
+    assert list(iso) == ["fused_embed_rmsnorm"]
+    assert (iso["fused_embed_rmsnorm"]["isolation"] == "sandboxed process") == (sandbox == "on")
+    servers = G.servers_of(tmp_path / "run" / "sgd" / "candidate")  # what the scheduler waits for after the arm
+    assert len(servers) == (2 if sandbox == "on" else 0) and not any(map(G.alive, servers))
+    reason = json.loads((tmp_path / "run" / "verdict.json").read_text())["signals"]["tripwire"]["reason"]
+    assert ("identical-training check not run" in reason) == (sandbox == "on" and landlock_abi() > 0), reason

@@ -186,3 +186,13 @@ def run(gate, up):
     time.sleep(1)
     running = {pid: process_state(pid) for pid in left if process_state(pid) not in ("gone", "Z")}
     assert not running, f"processes the candidate started are still running (pid: state): {running}"
+
+
+def test_an_exception_without_a_message_is_said_as_such_never_as_an_empty_reason():
+    from divergence.errors import one_line
+
+    assert one_line(RuntimeError()) == "RuntimeError (no message)"
+    assert one_line(AssertionError("  \n")) == "AssertionError (no message)"
+    assert one_line(ValueError("first line\nsecond line")) == "ValueError: first line"
+    assert one_line(ValueError("x" * 400)) == ("ValueError: " + "x" * 400)[:300]
+    assert len(one_line(ValueError("x" * 900), 500)) == 500

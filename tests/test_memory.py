@@ -46,6 +46,8 @@ def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None, 
     from divergence.train.metrics import write_json
 
     os.setsid()
+    with open(Path(out_dir).parent / "spawned.jsonl", "a") as f:  # a process per start, held or not
+        f.write(json.dumps({"arm": Path(out_dir).name, "pid": os.getpid(), "at": time.time()}) + "\n")
     if go is not None:
         go.wait(60)
     out = Path(out_dir)
@@ -62,7 +64,8 @@ def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None, 
     over = held(out.parent) > TOTAL
     write_json(out / memory.MEMORY_FILE, {"peak_reserved_bytes": first})
     row = False
-    while time.time() - t0 < w["run_s"]:
+    run_s = w.get("run_s_of", {}).get(me, w["run_s"])
+    while time.time() - t0 < run_s:
         if not row and time.time() - t0 >= w.get("row_s", 0):
             (out / "metrics.jsonl").write_text('{"step": 0}\n')
             row = True
@@ -81,7 +84,7 @@ def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None, 
     if oom == "always" or (oom == "shared" and shared):
         write_json(out / "arm.json", {"arm": spec.name, "status": "CRASH", "error": OOM})
     else:
-        write_json(out / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": w["run_s"]})
+        write_json(out / "arm.json", {"arm": spec.name, "status": "OK", "wall_s": run_s})
     os._exit(0)
 
 
@@ -118,10 +121,10 @@ def at_once(tmp_path: Path) -> int:
     return max(sum(e["start"] <= x["start"] < e["end"] for e in ev) for x in ev)
 
 
-def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None, hidden=0, row_s=0.0, grow_s=None):
+def setup(tmp_path, monkeypatch, peak, run_s=1.0, oom=None, hidden=0, row_s=0.0, grow_s=None, run_s_of=None):
     monkeypatch.setattr(runner, "_child", fake_arm)
     (tmp_path / "world.json").write_text(json.dumps({"peak": peak, "run_s": run_s, "oom": oom or {}, "hidden": hidden,
-                                                     "row_s": row_s, "grow_s": grow_s}))
+                                                     "row_s": row_s, "grow_s": grow_s, "run_s_of": run_s_of or {}}))
     return load_recipe("tiny")
 
 
@@ -173,6 +176,40 @@ def test_an_arm_out_of_memory_beside_others_trains_again_alone(tmp_path, monkeyp
     assert runs["null-2"][0]["shared"] and not runs["null-2"][1]["shared"]
     assert not runs["candidate"][1]["shared"]
     assert sum("trains again with the GPU to itself" in s for s in said) == 2
+
+
+def test_no_arm_is_held_beside_an_arm_that_trains_alone_and_none_is_left_behind(tmp_path, monkeypatch):
+    """Three arms, two at a time, the third pre-started (held) meanwhile: the second runs out of memory beside the
+    first, which trains on, and then trains again alone. The held arm is ended, no arm process of any kind lives
+    while the arm trains alone, and none outlives the run."""
+    monkeypatch.setattr(runner, "prefetch_arms", lambda device, gpus: True)
+    killed = {}
+    real_kill = runner.kill_group
+
+    def kill(proc, *a, **k):
+        killed.setdefault(proc.pid, time.time())
+        real_kill(proc, *a, **k)
+
+    monkeypatch.setattr(runner, "kill_group", kill)
+    recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=1.0, oom={"null-2": "shared"}, run_s_of={"null-1": 3.0})
+    jobs = arms(tmp_path, ["null-1", "null-2", "candidate"])
+    placer = gpus(tmp_path, 2)
+    placer.measured = {("sgd", "harness"): (5 * GiB, 1), ("sgd", "candidate"): (5 * GiB, 2)}  # no first arm alone
+    res = runner.run_jobs(recipe, jobs, None, "cpu", 2, placer=placer)
+    assert {k: st["status"] for k, st in res.items()} == {j.key: "OK" for j in jobs}
+    ev = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    ran = {(e["arm"], round(e["start"], 6)) for e in ev}
+    (alone,) = [e for e in ev if e["arm"] == "null-2" and not e["shared"]]
+    spawned = [json.loads(line) for line in (tmp_path / "spawned.jsonl").read_text().splitlines()]
+    assert len(spawned) == len(ev) + 1, spawned  # the candidate was pre-started, ended, then started again
+    for sp in spawned:
+        end = killed.get(sp["pid"])
+        assert end is not None, sp  # every arm process ended by the scheduler: none left behind
+        if sp["arm"] != "null-2":
+            assert end <= alone["start"] or sp["at"] >= alone["end"], (sp, alone, end)
+        with pytest.raises(ProcessLookupError):
+            os.kill(sp["pid"], 0)
+    assert len(ran) == len(ev) == 4
 
 
 def test_an_arm_out_of_memory_alone_is_an_error_naming_the_bytes(tmp_path, monkeypatch):
@@ -580,7 +617,8 @@ def test_no_arm_is_held_while_another_waits_to_train_alone(tmp_path, monkeypatch
     monkeypatch.setattr(runner, "_start", lambda job, *a, **k: started.append(job.key) or f"proc {job.key}")
     monkeypatch.setattr(runner, "kill_group", killed.append)
     jobs = arms(tmp_path, ["null-1", "candidate", "null-2"])
-    placer, held = SimpleNamespace(held_servers=None), {}
+    lingered = []
+    placer, held = SimpleNamespace(held_servers=None, linger=lingered.append), {}
     runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer)
     assert list(held) == ["sgd/candidate"] and placer.held_servers == 1
     runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer)  # held already: not started twice
@@ -588,8 +626,12 @@ def test_no_arm_is_held_while_another_waits_to_train_alone(tmp_path, monkeypatch
     jobs[0].alone = True  # out of memory beside others: back at the front, to train alone
     runner._prefetch(tiny, jobs, held, None, "cpu", placer)
     assert held == {} and killed == ["proc sgd/candidate"] and started == ["sgd/candidate"]
-    assert placer.held_servers == 0
-    runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer)  # it has started: the next is held again
+    assert placer.held_servers == 0 and lingered == [jobs[1]]  # its kernel servers waited for before it goes alone
+    running = {jobs[0].key: [jobs[0], "proc"]}
+    runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer, running)  # it trains alone: nothing held beside it
+    assert held == {} and started == ["sgd/candidate"]
+    running.clear()
+    runner._prefetch(tiny, jobs[1:], held, None, "cpu", placer, running)  # it has ended: the next is held again
     assert list(held) == ["sgd/candidate"] and started == ["sgd/candidate"] * 2
 
 
@@ -623,3 +665,74 @@ def test_the_placer_measures_no_overhead_beside_a_held_kernel_server(tmp_path):
         p.observe()
         time.sleep(memory.STEADY_S / 2 + 0.05)
     assert p.context == 6 * GiB
+
+
+def test_an_arm_goes_alone_only_once_the_kernel_servers_of_arms_gone_from_its_gpu_are_gone(tmp_path):
+    """A kernel server is a session of its own that its reaper kills once its arm has gone: its CUDA context may
+    outlive the arm's process. An arm waiting to have the GPU to itself waits for the servers the ended arms'
+    folders name (gpu.SERVERS_FILE), and no longer than LINGER_S for one."""
+    import subprocess
+    import sys
+
+    p = memory.Placer(["0"], 4, query=lambda i: (TOTAL, TOTAL), lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"),
+                      own=lambda i: 0, say=lambda *a, **k: None)
+    gone, alone = arms(tmp_path, ["null-1", "candidate"])
+    gone.out_dir.mkdir(parents=True)
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        G.write_servers(gone.out_dir, [server.pid])
+        assert G.servers_of(gone.out_dir) == [server.pid] and G.alive(server.pid)
+        p.linger(gone)
+        alone.alone = True
+        assert p.decide(alone) == (memory.WAIT, None)
+        server.kill()
+        server.wait()
+        assert not G.alive(server.pid)
+        assert p.decide(alone) == (memory.GO, 0)
+    finally:
+        server.kill()
+        p.locks[0].release()
+    p.lingering[0] = {os.getpid(): time.monotonic() - memory.LINGER_S - 1}  # alive, but waited for long enough
+    assert not p._lingers(0)
+
+
+def test_a_candidate_sized_by_a_guess_is_taken_from_a_reference_record_as_a_candidates(tmp_path):
+    """Before any arm of its optimizer is measured, a candidate arm whose only known figure is a reference's or a
+    null's (this run's of another optimizer, or the arms cache's record) needs CANDIDATE_OVER_HARNESS more, and a
+    context for its kernel server; a harness arm needs the record as it is."""
+    p = memory.Placer(["0"], 4, query=lambda i: (TOTAL, TOTAL), lock=lambda i: G.GpuLock("sim-0", tmp_path / "locks"),
+                      own=lambda i: 0, say=lambda *a, **k: None)
+    cand, null = runner.Job("adamw/candidate", tmp_path / "c", ArmSpec("candidate", "adamw")), \
+        runner.Job("adamw/null-1", tmp_path / "n", ArmSpec("null-1", "adamw"))
+    as_candidate = int(20 * GiB * memory.CANDIDATE_OVER_HARNESS) + p.context + G.CONTEXT_BYTES
+    cand.memory_record = null.memory_record = (20 * GiB, 1)  # the arms cache's: a reference's
+    assert p.need(null) == 20 * GiB + p.context
+    assert p.need(cand) == as_candidate
+    cand.memory_record = null.memory_record = None
+    p.measured = {("sgd", "harness"): (20 * GiB, 1)}  # this run's, of another optimizer
+    assert p.need(null) == 20 * GiB + p.context and p.need(cand) == as_candidate
+    p.measured[("sgd", "candidate")] = (30 * GiB, 2)  # a candidate's own record, as it is
+    assert p.need(cand) == 30 * GiB + p.context + G.CONTEXT_BYTES
+
+
+def _wait_for_go_and_end(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None, go=None):
+    """A pre-started arm's stand-in: it reads its arguments (its `go` event among them), waits, ends."""
+    os._exit(0 if go.wait(30) else 3)
+
+
+def test_a_held_arm_let_go_at_once_starts_though_the_scheduler_dropped_its_event(tmp_path, monkeypatch, tiny):
+    """A spawned arm opens its `go` event's semaphore by name once it reads its arguments, seconds after its
+    start: the scheduler lets a pre-started arm go and keeps only its process, so the process must keep the event
+    (else its name is unlinked first and the arm dies before it has begun)."""
+    import gc
+
+    monkeypatch.setattr(runner, "_child", _wait_for_go_and_end)
+    monkeypatch.setattr(runner, "start_method", lambda *a, **k: "spawn")
+    job = arms(tmp_path, ["null-1"])[0]
+    go = runner._context("spawn").Event()
+    proc = runner._start(job, tiny, None, None, None, "cpu", go)
+    go.set()
+    del go
+    gc.collect()
+    proc.join(120)
+    assert proc.exitcode == 0

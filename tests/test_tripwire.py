@@ -73,7 +73,7 @@ def check(sgd: Path) -> dict:
 
 
 def test_arms_as_they_ended_pass(ended):
-    assert check(ended) == {"findings": [], "unsealed": []}
+    assert check(ended) == {"findings": [], "unsealed": [], "identical_training": "checked"}
 
 
 def test_a_file_rewritten_after_its_arm_ended_is_a_finding_naming_it(ended):
@@ -150,7 +150,7 @@ def test_a_candidate_arm_that_takes_the_reference_record_before_it_ends_is_found
 def test_an_arm_never_sealed_is_named_not_judged(tmp_path):
     write_arm(tmp_path / "sgd" / "reference", training_rows())
     got = tripwire.check(tmp_path / "sgd" / "reference", tmp_path / "sgd" / "candidate", [])
-    assert got == {"findings": [], "unsealed": ["sgd/reference"]}
+    assert got == {"findings": [], "unsealed": ["sgd/reference"], "identical_training": "checked"}
 
 
 # ------------------------------------------------------------------------------------------- identical training
@@ -176,9 +176,19 @@ def test_a_candidate_confined_to_its_scratch_folder_is_not_read_as_swapped(tmp_p
     training as the plain tensors the lockstep check measures: a record identical to the reference's is then last
     bits rounded away further on (a correct rope_backward null did it), not a swap."""
     ref, cand = twins(tmp_path, with_lockstep(training_rows(), 2.1e-3, 1.7e-3))
-    assert tripwire.check(ref, cand, [], confined=True)["findings"] == []
+    arm = json.loads((cand / "arm.json").read_text())
+    confined = {"isolation": "sandboxed process", "sandbox": {"landlock": 4}}
+    write_json(cand / "arm.json", dict(arm, isolation={"embed": confined}))
+    got = tripwire.check(ref, cand, [], confined=True)
+    assert got["findings"] == [] and got["identical_training"] == tripwire.NOT_RUN
     (found,) = tripwire.check(ref, cand, [], confined=False)["findings"]
     assert "training record is the reference arm's bit for bit" in found
+    # Confined when it was loaded, not in its arm (or no record of it): checked
+    for iso in ({"embed": dict(confined, sandbox={"landlock": False})}, {"embed": {"isolation": "in-process"}},
+                {"embed": confined, "attn": {"isolation": "in-process"}}, None):
+        write_json(cand / "arm.json", dict(arm, isolation=iso) if iso else arm)
+        got = tripwire.check(ref, cand, [], confined=True)
+        assert len(got["findings"]) == 1 and got["identical_training"] == "checked", iso
 
 
 def test_only_a_landlocked_kernel_server_counts_as_confined():
@@ -248,6 +258,10 @@ def test_no_tripwire_finding_leaves_the_verdict_alone():
     assert res["verdict"] == "PASS" and V.exit_code(res) == 0
     assert res["signals"]["tripwire"]["verdict"] == "PASS" and "no seal for sgd/null-1" in \
         res["signals"]["tripwire"]["reason"]
+    res = V.combine({"sgd": _pass()}, probe=None, probe_enabled=False,
+                    tripwire={"sgd": {"findings": [], "unsealed": [], "identical_training": tripwire.NOT_RUN}})
+    assert res["signals"]["tripwire"]["reason"] == ("every arm's files as sealed when it ended; the identical-training "
+                                                    f"check {tripwire.NOT_RUN}")
 
 
 # -------------------------------------------------------------------------------------------------- end to end

@@ -24,7 +24,8 @@ again alone, serialising the soak): a candidate arm's kernel server is a second 
 allocator, which that figure left out.
 
 An arm that runs out of GPU memory all the same while it shared its GPU trains again, alone (Job.alone): once this
-run's other arms on that GPU have ended and the GPU's lock (divergence/gpu.py) is held exclusively, so no other
+run's other arms on that GPU have ended, their kernel servers too (Placer.linger), and the GPU's lock
+(divergence/gpu.py) is held exclusively, so no other
 divergence arm or probe uses it meanwhile. Only out of memory alone is an arm's CRASH (a finding where it is the
 candidate's arm, a harness ERROR where it is a reference's or a null's), in words that name what it tried to
 allocate and the GPU's memory. One that cannot have the GPU to itself within `ab.arm_timeout_s` ends with ERROR:
@@ -51,6 +52,9 @@ MARGIN = 0.05  # of the GPU's memory, kept free beyond every arm's need: 4 GiB o
 # staging copies. At 4096 x 65,536 (one H100, 2026-11-27) 1.14-1.20x (SGD 20.6 against 17.1 GiB, AdamW 26.1 against
 # 22.9, Adafactor 20.6 against 17.4); the server's CUDA context is counted apart (one process more).
 CANDIDATE_OVER_HARNESS = 1.25
+# The longest a kernel server is waited for after its arm (Placer.linger): its reaper kills it at once (SIGKILL)
+# when the arm's process goes; a process whose GPU work the driver is still tearing down may take a few seconds.
+LINGER_S = 30.0
 OBSERVE_S = 0.5  # how often the Placer reads a GPU's free memory while one arm runs alone there
 # How long an arm's record must stay the same before the GPU's use is read against it: its watch writes a growth a
 # second late (gpu.SAMPLE_S), and a read while it grows would count the growth as overhead.
@@ -90,6 +94,12 @@ def _measured(job) -> bool:
         return False
 
 
+def _as_candidate(rec: tuple) -> tuple:
+    """A reference's or a null's record as a candidate arm's of the same optimizer: CANDIDATE_OVER_HARNESS more
+    memory, and one process more (its kernel server)."""
+    return int(rec[0] * CANDIDATE_OVER_HARNESS), rec[1] + 1
+
+
 GO, SKIP, WAIT, GIVE_UP = "go", "skip", "wait", "give up"
 
 
@@ -118,6 +128,9 @@ class Placer:
         # Pre-started arms (ab/runner.PREFETCH) waiting with a candidate's kernel server, which holds a CUDA
         # context on the GPU outside any arm's record: set by the scheduler.
         self.held_servers = 0
+        # Per GPU: kernel server pid -> when its arm ended or was let go there (`linger`). A server is a session of
+        # its own, killed by its reaper once its arm is gone, so its CUDA context may outlive the arm's process.
+        self.lingering = [dict() for _ in self.gpus]
 
     @classmethod
     def for_recipe(cls, recipe, gpus: list, cap: int) -> "Placer":
@@ -206,8 +219,7 @@ class Placer:
         opt, role = kind(job)
         if role != "candidate" or (opt, "harness") not in self.measured:
             return None
-        peak, procs = self.measured[(opt, "harness")]
-        return self._bytes((int(peak * CANDIDATE_OVER_HARNESS), procs + 1))
+        return self._bytes(_as_candidate(self.measured[(opt, "harness")]))
 
     def _guess(self, job) -> bool:
         """Whether `job` would be sized by a guess: its kind neither measured nor derived from a measured one."""
@@ -215,18 +227,21 @@ class Placer:
 
     def need(self, job) -> Optional[int]:
         """Bytes `job` needs: its kind's measure, else a candidate's derived from its optimizer's harness arms,
-        else the largest need known (its record of an earlier run among them; one process more for a candidate's
-        arm, its kernel server); None where nothing is known."""
+        else the largest need known (its record of an earlier run among them, a reference's or a null's: the arms
+        cache holds no candidate arm), a harness arm's taken as a candidate's (_as_candidate) for a candidate's
+        arm; None where nothing is known."""
         if kind(job) in self.measured:
             return self._bytes(self.measured[kind(job)])
         derived = self._derived(job)
         if derived is not None:
             return derived
-        known = list(self.measured.values()) + ([job.memory_record] if getattr(job, "memory_record", None) else [])
+        known = [(role, rec) for (_, role), rec in self.measured.items()]
+        if getattr(job, "memory_record", None):
+            known.append(("harness", job.memory_record))
         if not known:
             return None
-        extra = G.CONTEXT_BYTES if kind(job)[1] == "candidate" else 0  # its kernel server's context
-        return max(self._bytes(r) for r in known) + extra
+        candidate = kind(job)[1] == "candidate"
+        return max(self._bytes(_as_candidate(rec) if candidate and role == "harness" else rec) for role, rec in known)
 
     def _yet_to_take(self, job) -> int:
         """What a running arm will still take beyond what it holds now (nothing held: not started on CUDA yet)."""
@@ -247,7 +262,7 @@ class Placer:
         claimed = {i for i, _ in self.claims.values()}
         for i, live in enumerate(self.live):
             for key in [k for k, (_, proc) in live.items() if proc is not None and not proc.is_alive()]:
-                del live[key]
+                self.linger(live.pop(key)[0], i)
                 self._steady.pop(key, None)
             if not live and i not in claimed and self.locks[i].state is not None:
                 self.locks[i].release()
@@ -299,6 +314,21 @@ class Placer:
         # there first, in queue order.
         return (SKIP if guessed and not short else WAIT), None
 
+    def linger(self, job, i: int = 0) -> None:
+        """`job`'s arm has ended, or was let go before its turn (a pre-started arm), on GPU `i`: its kernel servers
+        (gpu.SERVERS_FILE) may hold a context there a while longer."""
+        now = time.monotonic()
+        for pid in G.servers_of(job.out_dir):
+            self.lingering[i].setdefault(pid, now)
+
+    def _lingers(self, i: int) -> bool:
+        """Whether a kernel server of an arm that ended on GPU `i` still runs, LINGER_S at most after its arm."""
+        now = time.monotonic()
+        for pid, since in list(self.lingering[i].items()):
+            if now - since > LINGER_S or not G.alive(pid):
+                del self.lingering[i][pid]
+        return bool(self.lingering[i])
+
     def _alone(self, job) -> tuple:
         """The GPU for an arm that must run alone: claimed (no other arm of this run starts there), let go by this
         run's arms there, then held exclusively."""
@@ -308,7 +338,7 @@ class Placer:
             self.claims[job.key] = (min(free, key=lambda i: len(self.live[i])), time.monotonic())
         i, since = self.claims[job.key]
         lock = self.locks[i]
-        if not self.live[i]:
+        if not self.live[i] and not self._lingers(i):
             if lock.state == "shared":
                 lock.release()
             if lock.try_alone():

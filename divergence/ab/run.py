@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import sandbox
 from ..device import pick_device
-from ..errors import UserError
+from ..errors import UserError, one_line
 from ..names import SLOT_MODEL
 from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, default_recipe_name, load_recipe
@@ -263,7 +263,8 @@ class DistancesAhead:
 
     def finish(self, cancel: bool = False) -> None:
         """Waits for what was started (the judging must not read the memo while this thread writes it); with
-        `cancel` (the run failed or was stopped), drops what has not started and does not wait."""
+        `cancel` (the run failed or was stopped), drops what has not started and returns at once: a computation
+        already under way ends on its own thread (the interpreter waits for it at exit), read by nobody."""
         if cancel:
             self.pool.shutdown(wait=False, cancel_futures=True)
             return
@@ -278,7 +279,7 @@ def _probe_outcome(probe, probing) -> tuple:
         try:
             probe = probing.result()
         except Exception as e:  # the arms are trained: judge them all the same, then fail as a harness error
-            probe_error = f"the probe failed: {type(e).__name__}: {e}".splitlines()[0][:500]
+            probe_error = f"the probe failed: {one_line(e, 500)}"
     return probe, probe_error
 
 

@@ -324,7 +324,7 @@ def _loop(recipe, queue, running, draining, results, gpus, corpus, device, worke
         _fill(recipe, queue, running, gpus, corpus, device, gate.room(running, workers), gate, placer, retire,
               prefetch)
         if prefetch is not None:
-            _prefetch(recipe, queue, prefetch, corpus, device, placer)
+            _prefetch(recipe, queue, prefetch, corpus, device, placer, running)
         time.sleep(0.05)
         for key in list(running):
             _check(key, running, draining, recipe.ab, retire, stop)
@@ -359,6 +359,7 @@ def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer,
                 queue.remove(job)
                 if prefetch is not None and job.key in prefetch:
                     kill_group(prefetch.pop(job.key)[1])
+                    placer.linger(job)
                 retire(job, _finish(job, "ERROR", where))
                 continue
             gpu = gpus[where] if len(gpus) > 1 else None
@@ -376,17 +377,23 @@ def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer,
         gate.started(job)
 
 
-def _prefetch(recipe, queue, prefetch: dict, corpus, device: str, placer: Optional[Placer] = None) -> None:
+def _prefetch(recipe, queue, prefetch: dict, corpus, device: str, placer: Optional[Placer] = None,
+              running: Optional[dict] = None) -> None:
     """Pre-start the first PREFETCH jobs of the queue (those it would start next, in its order) not yet started;
     a held arm no longer among them is ended (its job stays queued). None while an arm waits to train alone (after
-    running out of memory beside others): a held candidate arm's kernel server holds a CUDA context on the GPU it
-    waits to have to itself, and that arm is not pre-started either: its folder is emptied at its start, while the
-    process that ran out of memory there may still be exiting. Tells `placer` how many held arms hold a kernel
-    server (Placer.observe does not measure beside them)."""
-    wanted = [] if any(job.alone for job in queue) else queue[:PREFETCH]
+    running out of memory beside others) or trains alone (`running`): a held candidate arm's kernel server holds a
+    CUDA context on the GPU it wants to itself, and that arm is not pre-started either: its folder is emptied at its
+    start, while the process that ran out of memory there may still be exiting. An ended held arm's kernel servers
+    are left to the placer to wait for (Placer.linger: they go a moment after the arm). Tells `placer` how many held
+    arms hold a kernel server (Placer.observe does not measure beside them)."""
+    alone = any(job.alone for job in queue) or any(entry[0].alone for entry in (running or {}).values())
+    wanted = [] if alone else queue[:PREFETCH]
     keys = {job.key for job in wanted}
     for key in [k for k in prefetch if k not in keys]:
-        kill_group(prefetch.pop(key)[1])
+        job, proc, _ = prefetch.pop(key)
+        kill_group(proc)
+        if placer is not None:
+            placer.linger(job)
     for job in wanted:
         if job.key in prefetch:
             continue
@@ -428,6 +435,11 @@ def _start(job, recipe, running: Optional[dict], gpu: Optional[str], corpus, dev
         raise RecipeError(f"{arm_recipe.path or arm_recipe.name}: ab.arm_start: the fork server could not start arm "
                           f"{job.key} ({type(e).__name__}: {str(e) or 'no reason given'}); set ab.arm_start: "
                           "spawn") from e
+    # The event lives as long as the process object: a spawned or fork-served child opens its semaphore by name
+    # as it reads its arguments, and the event's last reference here going unlinks that name. A pre-started arm let
+    # go within its own start died so ("FileNotFoundError" in SemLock._rebuild, a null arm's CRASH in 0 s: one H200,
+    # 2026-11-29, the default A/B at the h200 recipe).
+    proc.go = go
     if running is not None:
         now = time.time()
         running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]

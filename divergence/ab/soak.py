@@ -50,7 +50,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import RecipeError, UserError
+from ..errors import RecipeError, UserError, one_line
 from ..names import SLOT_MODEL
 from ..overrides import resume_overrides, sets_to_overrides
 from ..recipe import _merge, read_yaml_mapping
@@ -234,10 +234,17 @@ def _run_cells(args, publish, soak, out, opts, base, cells, jobs, corpora, devic
     """The soak's arms, its cells judged as they complete and the rest after, its table and files: the exit code."""
     from ..detect.distances import ArmFiles
 
+    from .. import sandbox
+
     t0, ran = time.time(), set()
     files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
+    # A cell is judged while other cells' arms train only where no candidate can write outside its kernel
+    # server's scratch folder: another cell's candidate, in-process, could rewrite this cell's files between the
+    # judge's tripwire and its reads (as ab's DistancesAhead).
+    early = all(sandbox.writes_confined(cell[1]) for cell in cells)
     judging = _CellsAsTheyComplete(cells, jobs, out, lambda cell, arms: _judge_cell(
-        args, publish, cell, arms, out, opts, corpora, ran, files, probes), ready=lambda cell: probes.ready(cell[5]))
+        args, publish, cell, arms, out, opts, corpora, ran, files, probes),
+        ready=lambda cell: early and probes.ready(cell[5]))
     arms, counts, done = {}, {}, []
     # One queue per corpus, one after another: a declared vocabulary below the recipe's tokenizer trains on a text
     # tokenized for it (shapes.py), and the runner hands every arm of one queue one corpus. Mostly there is one.
@@ -511,8 +518,8 @@ class _CellsAsTheyComplete:
     """Judges each cell as soon as the last of its arms arrives, while the other arms train: `arrived(key, info)`
     is the training's per-arm callback. The judging runs in the scheduler's loop, which meanwhile starts no arm;
     the arms already running go on, and the GPU, which 2 or more arms keep busy, hardly notices. A judging that
-    fails here, or whose candidate's probe is not in yet (`ready(cell)`), is left for after the last arm (cmd_soak),
-    where its error stops no training."""
+    fails here, or that is not `ready(cell)` (its candidate's probe not in yet; candidates that could write the
+    arms' files), is left for after the last arm (cmd_soak), where its error stops no training."""
 
     def __init__(self, cells, jobs, out: Path, judge, ready=None):
         self.cells, self.judge, self.judged, self.arms = cells, judge, {}, {}
@@ -535,7 +542,7 @@ class _CellsAsTheyComplete:
                 self.judged[i] = self.judge(self.cells[i], self.arms)
             except Exception as e:  # judged again after the last arm (see the class's doc)
                 print(f"  {_cell_of(key)}: judging it failed while arms trained, again after the last arm "
-                      f"({type(e).__name__}: {e})".splitlines()[0][:300], flush=True)
+                      f"({one_line(e)})", flush=True)
 
 
 class _Probes:

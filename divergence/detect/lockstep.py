@@ -34,7 +34,7 @@ import torch
 
 from ..candidates import globalstate
 from ..slots import SLOTS, bitwise
-from ..errors import OutputError
+from ..errors import OutputError, one_line
 from ..slots.contract import as_tuple, oracle_inputs
 from ..slots.outputs import OVERWRITTEN, Flags, Kept, is_overwritten_error
 from .. import rule
@@ -131,7 +131,7 @@ class Lockstep:
             with torch.no_grad():
                 row = self._check(given[1], as_tuple(cand_out), live=inputs)
         except Exception as e:  # our own check failing must not end the candidate's arm: say so, check no more
-            self.error = f"step {step}: {type(e).__name__}: {e}".splitlines()[0][:300]
+            self.error = f"step {step}: {one_line(e)}"
             return
         with torch.no_grad():
             self.kept = (step, Kept(self.contract, as_tuple(cand_out), inputs))
@@ -193,7 +193,7 @@ class Lockstep:
                 raise  # uncompiled, or a check graph's capture that failed: its graph is given up, not the compiler
             row = self._measure(*args)  # raises again where the candidate's outputs are at fault, not the compiler
             # Our compiled code failed where eager metrics work: check on, eagerly, and say so.
-            self.compile_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            self.compile_fallback = one_line(e)
             self.measure, self.compiled = self._measure, False
             return row
 

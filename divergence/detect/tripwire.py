@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..files import write_atomic
+from ..sandbox import arm_writes_confined
 
 SEALED = ("arm.json", "metrics.jsonl", "snapshots", "evals")  # what the judge reads of an arm folder
 SEALS_FILE = "seals.json"  # beside the arm folders: {arm folder name: {file: sha256}}
@@ -219,9 +220,11 @@ def _g(x) -> str:
 
 
 def check(ref_dir, cand_dir, null_dirs, rows: Callable = None, confined: bool = False) -> dict:
-    """Both tripwires on one optimizer's arms: {"findings": [...], "unsealed": [arm folders without a seal]}.
-    `confined`: the candidate ran in a kernel server that cannot write outside its scratch folder (no identical-
-    training check then: the module's docstring says why)."""
+    """Both tripwires on one optimizer's arms: {"findings": [...], "unsealed": [arm folders without a seal],
+    "identical_training": "checked" or why not}. `confined`: the load worker's kernel server could not write outside
+    its scratch folder (sandbox.writes_confined). The identical-training check is left out (the module's docstring
+    says why) only where the candidate arm's own record says the same of the servers it trained with
+    (sandbox.arm_writes_confined): a server confined at load time and not in the arm is checked."""
     findings, unsealed = [], []
     for d in (ref_dir, cand_dir, *null_dirs):
         d = Path(d)
@@ -231,7 +234,19 @@ def check(ref_dir, cand_dir, null_dirs, rows: Callable = None, confined: bool = 
                 unsealed.append(f"{d.parent.name}/{d.name}")
             continue
         findings += changed
+    confined = confined and arm_writes_confined(_arm_record(cand_dir))
     same = None if confined else identical_training(ref_dir, cand_dir, rows)
     if same:
         findings.append(same)
-    return {"findings": findings, "unsealed": unsealed}
+    return {"findings": findings, "unsealed": unsealed, "identical_training": NOT_RUN if confined else "checked"}
+
+
+NOT_RUN = "not run: the candidate's kernel servers could write nothing outside their scratch folders"
+
+
+def _arm_record(folder) -> dict:
+    try:
+        got = json.loads((Path(folder) / "arm.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}

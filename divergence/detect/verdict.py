@@ -391,8 +391,11 @@ def tripwire_signal(per_opt: dict, tripwire: dict) -> dict:
     if fired:
         return _sig("FINDING", "; ".join(f"{o}: {f}" for o, found in fired.items() for f in found))
     unsealed = [a for t in tripwire.values() for a in t.get("unsealed") or []]
+    skipped = sorted({t["identical_training"] for t in tripwire.values()
+                      if t.get("identical_training") not in (None, "checked")})
     return _sig("PASS", "every arm's files as sealed when it ended" +
-                (f"; no seal for {', '.join(unsealed)} (trained elsewhere)" if unsealed else ""))
+                (f"; no seal for {', '.join(unsealed)} (trained elsewhere)" if unsealed else "") +
+                "".join(f"; the identical-training check {why}" for why in skipped))
 
 
 def _fold_lockstep(v: dict, lockstep_enabled: bool):

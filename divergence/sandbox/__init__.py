@@ -50,6 +50,18 @@ def writes_confined(impl) -> bool:
         iso = isolation_of(impl)
     else:
         iso = {"isolation": getattr(impl, "isolation", None), "sandbox": getattr(impl, "sandbox", None)}
+    return _confined(iso)
+
+
+def arm_writes_confined(arm: dict) -> bool:
+    """Whether every candidate kernel of an arm ran in a kernel server Landlock kept from writing outside its
+    scratch folder, as the arm's process recorded it in its arm.json (`isolation`: slot -> isolation_of) before the
+    candidate's first call. False where there is no such record: an arm of an older run, or one without a candidate."""
+    iso = arm.get("isolation") if isinstance(arm, dict) else None
+    return isinstance(iso, dict) and bool(iso) and all(isinstance(v, dict) and _confined(v) for v in iso.values())
+
+
+def _confined(iso: dict) -> bool:
     return iso.get("isolation") == SANDBOXED and bool((iso.get("sandbox") or {}).get("landlock"))
 
 
@@ -61,4 +73,4 @@ def use_recipe(recipe) -> None:
 
 
 __all__ = ["OPT_OUT", "SANDBOXED", "IN_PROCESS", "wanted", "supported", "isolation_of", "writes_confined",
-           "use_recipe"]
+           "arm_writes_confined", "use_recipe"]

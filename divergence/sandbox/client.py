@@ -145,6 +145,11 @@ def gpu_reserved() -> tuple:
     return sum(peaks), len(peaks)
 
 
+def server_pids() -> list:
+    """The process ids of this process's live kernel servers: each one's reaper and the server itself."""
+    return [p for s in list(_LIVE) if not s.closed for p in (s.proc.pid, s.pid) if p]
+
+
 def _gpu_total() -> int:
     """The memory of this process's GPU (0 where it has not started CUDA: a server's GPU figure is then ignored)."""
     if not torch.cuda.is_initialized():

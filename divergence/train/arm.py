@@ -14,9 +14,11 @@ from typing import Optional
 
 import torch
 
-from ..errors import RecipeError
+from ..errors import RecipeError, one_line
 from ..candidates.resolve import build_kernels
 from ..device import pick_device
+from ..gpu import write_servers
+from ..sandbox import isolation_of
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
 
@@ -116,10 +118,20 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
             # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the
             # candidate arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
             remote.server.overlap = True
+    servers = [p for impl in kernels.impls.values() if (remote := getattr(impl.fn, "sandbox", None)) is not None
+               for p in (remote.server.proc.pid, remote.server.pid) if p]
+    if servers:  # what the scheduler waits for after this arm's end before a GPU is had alone (gpu.SERVERS_FILE)
+        write_servers(out, servers)
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
             "vocab_size": vocab, "env": environment(device, gpu=hold is None), "status": "RUNNING"}
+    # Where each candidate kernel runs, written before its first call: the judge checks the record for a training
+    # identical to the reference's only where the candidate could have written this folder (detect/tripwire.py)
+    iso = {slot: isolation_of(impl) for slot, impl in kernels.impls.items()
+           if getattr(impl, "role", None) == "candidate"}
+    if iso:
+        info["isolation"] = iso
     write_json(out / "arm.json", info)
     rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25, device=device)
     rec.watch_nonfinite(kernels)
@@ -194,7 +206,7 @@ def _fit(trainer, module, rec, recipe, batches, device: str, info: dict) -> None
         info.update(status=e.status, stop_step=e.step, stop_where=e.where)
     except Exception as e:  # a candidate that raises: the arm ends, the run goes on
         stop = rec.close()
-        crash = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+        crash = one_line(e, 500)
         if stop is not None:  # a NaN came first, seen only now (a GPU arm reads its metrics one flush late)
             info.update(status=stop.status, stop_step=stop.step, stop_where=stop.where, crash_after_stop=crash)
         else:

@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..errors import one_line
+
 
 class StepGraph:
     """`graph(fn, *inputs)`: `fn(*inputs)` eagerly for `warmup` calls (compilation, autotuning, lazy state), the
@@ -102,7 +104,7 @@ class StepGraph:
         try:
             graph, outputs = self._capture(fn, static, self._stream, self.pool.handle if self.pool else None)
         except Exception as e:  # give the graph up; this call and the rest run eagerly
-            self.off = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+            self.off = f"capture failed: {one_line(e)}"
             return False
         self.graph, self.static_inputs, self.static_outputs = graph, static, outputs
         self.captured_at, self.capture_s = call, time.perf_counter() - t0

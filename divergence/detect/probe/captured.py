@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ...errors import one_line
 from ...names import SLOT_MODEL
 from ...slots import SLOTS
 from .inputs import Case, Family, frequent_rows
@@ -293,8 +294,7 @@ def captured_families(slot: str, device: str, recipe=None) -> tuple:
     try:
         cap, notes = load_records(slot, recipe, device)
     except Exception as e:  # noqa: BLE001 -- reported, never fatal to the probe
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return [], [f"captured families skipped: {type(e).__name__}{': ' + msg if msg else ''}"]
+        return [], [f"captured families skipped: {one_line(e)}"]
     if not cap["records"]:
         notes.append(f"captured families skipped: recipe {cap['recipe']}'s model never calls {slot}")
     return [_family(slot, r, cap["recipe"]) for r in cap["records"]], notes

@@ -20,6 +20,7 @@ import inspect
 import torch
 
 from ...candidates.definition import Definition, DefinitionError, mapping
+from ...errors import one_line
 from ...slots.contract import as_tuple, oracle_inputs
 from ...slots.problems import CONSTANT_INPUTS, PROBLEMS, adapted, declare_inputs
 from ...rule import allowed
@@ -33,9 +34,7 @@ def _reference_fn(defn: Definition):
     try:
         exec(compile(defn.reference, f"{defn.path} (reference)", "exec"), ns)
     except Exception as e:
-        raise DefinitionError(f"{defn.path}: the definition's reference fails to load: "
-                              f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                              ) from None
+        raise DefinitionError(f"{defn.path}: the definition's reference fails to load: {one_line(e)}") from None
     fn = ns.get("run")
     if not callable(fn):
         raise DefinitionError(f"{defn.path}: the definition's reference defines no function `run`")

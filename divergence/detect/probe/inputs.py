@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ...errors import one_line
 from ...slots import (add_rmsnorm, attn_softcap, cross_entropy, fused_embed_rmsnorm, geglu, qkv_proj, rmsnorm,
                       rmsnorm_backward, rope, rope_backward, swiglu, swiglu_backward)
 from . import longrun
@@ -95,7 +96,7 @@ def _corpus():
         c = load_corpus(DataConfig(source="wikitext-2", vocab_size=VOCAB))  # cached under data/ after the first run
         return c.train, int(c.vocab_size)
     except Exception as e:  # no text, no tokenizers, unreadable cache: the family is skipped, not the probe
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return one_line(e)
 
 
 class RealText:
