@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 import threading
@@ -91,20 +92,33 @@ CONTEXT_BYTES = 1 << 30
 SAMPLE_S = 1.0  # how often a watched process looks at its own peak
 
 
+def _read_json(path: Path, limit: int = 1 << 16):
+    """A small JSON file an arm's process wrote, read without trusting it: a regular file only (a FIFO put in its
+    place would block the reader for good), at most `limit` bytes. Raises OSError or ValueError where it is not."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return json.loads(os.read(fd, limit))
+    finally:
+        os.close(fd)
+
+
 def record(folder) -> Optional[tuple]:
     """(peak reserved bytes, processes) a folder's MEMORY_FILE records; None where there is none yet."""
     try:
-        rec = json.loads((Path(folder) / MEMORY_FILE).read_text())
+        rec = _read_json(Path(folder) / MEMORY_FILE)
         peak, procs = int(rec["peak_reserved_bytes"]), int(rec.get("processes", 1))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
     return peak, max(1, procs)
 
 
-# An arm's kernel servers' process ids, written by the arm once they have started: each is a process of its own
-# session (sandbox/client.py), whose CUDA context outlives the arm's process group's kill until its reaper has
-# killed it, so the scheduler waits for them before it lets an arm have the GPU to itself (ab/memory.Placer).
+# An arm's kernel servers' process ids, written by the arm as each starts: each is a process of its own session
+# (sandbox/client.py), whose CUDA context outlives the arm's process group's kill until its reaper has killed it,
+# so the scheduler waits for them before it lets an arm have the GPU to itself (ab/memory.Placer).
 SERVERS_FILE = "kernel_servers.json"  # {"pids": [...]}
+SERVERS_MAX = 16  # pids read from one arm's file: an arm runs a server per candidate slot, two processes each
 
 
 def write_servers(folder, pids: list) -> None:
@@ -114,10 +128,11 @@ def write_servers(folder, pids: list) -> None:
 
 
 def servers_of(folder) -> list:
-    """The kernel server process ids an arm's folder names (SERVERS_FILE); [] where none."""
+    """The kernel server process ids an arm's folder names (SERVERS_FILE), SERVERS_MAX at most; [] where none. A
+    candidate that can write the folder can name any process: the scheduler waits for one LINGER_S at most."""
     try:
-        pids = json.loads((Path(folder) / SERVERS_FILE).read_text())["pids"]
-        return [int(p) for p in pids if int(p) > 1]
+        pids = _read_json(Path(folder) / SERVERS_FILE)["pids"]
+        return [p for p in pids[:SERVERS_MAX] if type(p) is int and p > 1]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
 

@@ -79,7 +79,7 @@ def fake_arm(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None, 
     shared = shared or bool(_others_on_gpu(here, me))
     oom = "always" if over else w["oom"].get(me)
     with open(out.parent / "events.jsonl", "a") as f:
-        f.write(json.dumps({"arm": me, "start": t0, "end": time.time(), "shared": shared}) + "\n")
+        f.write(json.dumps({"arm": me, "start": t0, "end": time.time(), "shared": shared, "pid": os.getpid()}) + "\n")
     (here / me).unlink()
     if oom == "always" or (oom == "shared" and shared):
         write_json(out / "arm.json", {"arm": spec.name, "status": "CRASH", "error": OOM})
@@ -191,7 +191,7 @@ def test_no_arm_is_held_beside_an_arm_that_trains_alone_and_none_is_left_behind(
         real_kill(proc, *a, **k)
 
     monkeypatch.setattr(runner, "kill_group", kill)
-    recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=1.0, oom={"null-2": "shared"}, run_s_of={"null-1": 3.0})
+    recipe = setup(tmp_path, monkeypatch, 5 * GiB, run_s=1.5, oom={"null-2": "shared"}, run_s_of={"null-1": 4.0})
     jobs = arms(tmp_path, ["null-1", "null-2", "candidate"])
     placer = gpus(tmp_path, 2)
     placer.measured = {("sgd", "harness"): (5 * GiB, 1), ("sgd", "candidate"): (5 * GiB, 2)}  # no first arm alone
@@ -203,8 +203,10 @@ def test_no_arm_is_held_beside_an_arm_that_trains_alone_and_none_is_left_behind(
     spawned = [json.loads(line) for line in (tmp_path / "spawned.jsonl").read_text().splitlines()]
     assert len(spawned) == len(ev) + 1, spawned  # the candidate was pre-started, ended, then started again
     for sp in spawned:
-        end = killed.get(sp["pid"])
-        assert end is not None, sp  # every arm process ended by the scheduler: none left behind
+        assert sp["pid"] in killed, sp  # every arm process ended by the scheduler: none left behind
+        # its end: a run's own record of it, or, for a held arm ended before it ran, the scheduler's kill
+        its = [e["end"] for e in ev if e["pid"] == sp["pid"]]
+        end = its[0] if its else killed[sp["pid"]]
         if sp["arm"] != "null-2":
             assert end <= alone["start"] or sp["at"] >= alone["end"], (sp, alone, end)
         with pytest.raises(ProcessLookupError):
@@ -694,6 +696,21 @@ def test_an_arm_goes_alone_only_once_the_kernel_servers_of_arms_gone_from_its_gp
         p.locks[0].release()
     p.lingering[0] = {os.getpid(): time.monotonic() - memory.LINGER_S - 1}  # alive, but waited for long enough
     assert not p._lingers(0)
+    p.held_servers = 1  # a pre-started candidate arm's server, which the scheduler ends before anything goes alone
+    assert p.decide(alone) == (memory.WAIT, None)
+    p.held_servers = 0
+    assert p.decide(alone) == (memory.GO, 0)
+    p.locks[0].release()
+    # What an arm's folder names is read without trusting it: no more than SERVERS_MAX ints, no FIFO waited on
+    (gone.out_dir / G.SERVERS_FILE).write_text('{"pids": [Infinity, "7", 1, 0, -5, 1e3, 4242]}')
+    assert G.servers_of(gone.out_dir) == [4242]
+    G.write_servers(gone.out_dir, list(range(2, 100)))
+    assert G.servers_of(gone.out_dir) == list(range(2, 2 + G.SERVERS_MAX))
+    (gone.out_dir / G.SERVERS_FILE).unlink()
+    os.mkfifo(gone.out_dir / G.SERVERS_FILE)
+    assert G.servers_of(gone.out_dir) == []
+    (gone.out_dir / G.MEMORY_FILE).write_text('{"peak_reserved_bytes": Infinity}')
+    assert G.record(gone.out_dir) is None
 
 
 def test_a_candidate_sized_by_a_guess_is_taken_from_a_reference_record_as_a_candidates(tmp_path):

@@ -338,7 +338,8 @@ class Placer:
             self.claims[job.key] = (min(free, key=lambda i: len(self.live[i])), time.monotonic())
         i, since = self.claims[job.key]
         lock = self.locks[i]
-        if not self.live[i] and not self._lingers(i):
+        # A held candidate arm's kernel server holds a context there: the scheduler ends it first (runner._prefetch)
+        if not self.live[i] and not self.held_servers and not self._lingers(i):
             if lock.state == "shared":
                 lock.release()
             if lock.try_alone():

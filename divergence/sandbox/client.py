@@ -55,7 +55,7 @@ import weakref
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -72,6 +72,22 @@ _TIMED = [False]  # timed_calls(): servers started from this process load torch'
 
 
 _PRELOAD = ["torch._inductor.config"]
+_ON_START = [None]  # set_on_start's callable
+
+
+def set_on_start(fn: Optional[Callable]) -> None:
+    """`fn()` is called each time a kernel server of this process has started (its reaper) and each time one has
+    said its own pid: an arm records server_pids() for its scheduler as they come (gpu.SERVERS_FILE), so that a
+    pre-started arm ended while its candidate still loads has its servers named too. None: nobody is told."""
+    _ON_START[0] = fn
+
+
+def _started() -> None:
+    if _ON_START[0] is not None:
+        try:
+            _ON_START[0]()
+        except Exception:  # noqa: BLE001 - a record for the scheduler's memory, never the candidate's failure
+            pass
 
 
 def timed_calls() -> None:
@@ -147,7 +163,7 @@ def gpu_reserved() -> tuple:
 
 def server_pids() -> list:
     """The process ids of this process's live kernel servers: each one's reaper and the server itself."""
-    return [p for s in list(_LIVE) if not s.closed for p in (s.proc.pid, s.pid) if p]
+    return [p for s in list(_LIVE) if not s.closed for p in (s.proc.pid, s.pid) if type(p) is int and p > 1]
 
 
 def _gpu_total() -> int:
@@ -281,7 +297,9 @@ class KernelServer:
         self._ready: dict = {}  # device index -> (our interprocess "inputs staged" event, its handle in hex)
         self._theirs: dict = {}  # (device, handle) -> the server's "outputs ready" event, opened here once
         self._held: list = []  # (event, [their storages]): mapped until our copies from them are done
+        self.pid = None  # the server's own, once it has said it
         _LIVE.add(self)
+        _started()
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.ctl, self.proc, str(self.scratch))
         preload = _PRELOAD if _TIMED[0] else []
         self.on_death = "raise"  # before the candidate is imported, an end is the server's own, not the candidate's
@@ -297,6 +315,7 @@ class KernelServer:
                                  "instead") from None
         self.on_death = on_death
         self.pid = hello.get("pid")
+        _started()
         self.platform = dict(hello.get("platform") or {}, torch=hello.get("torch"))
         info = self._ctl_line(10.0) or {}
         self.platform["subreaper"] = bool(info.get("subreaper"))

@@ -19,6 +19,7 @@ from ..candidates.resolve import build_kernels
 from ..device import pick_device
 from ..gpu import write_servers
 from ..sandbox import isolation_of
+from ..sandbox.client import server_pids, set_on_start
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
 
@@ -111,6 +112,9 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     device = resolve_device(recipe)
     corpus = corpus or load_corpus(recipe.data)
     vocab = model_vocab(recipe, corpus)
+    # Each kernel server's pids as it starts: what the scheduler waits for after this arm before it lets an arm
+    # have the GPU to itself (gpu.SERVERS_FILE)
+    set_on_start(lambda: write_servers(out, server_pids()))
     kernels = build_kernels(spec.kernels, {"vocab_size": vocab, "head_dim": recipe.model.head_size},
                             recipe.model.slot_dtypes)
     for impl in kernels.impls.values():
@@ -118,10 +122,6 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
             # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the
             # candidate arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
             remote.server.overlap = True
-    servers = [p for impl in kernels.impls.values() if (remote := getattr(impl.fn, "sandbox", None)) is not None
-               for p in (remote.server.proc.pid, remote.server.pid) if p]
-    if servers:  # what the scheduler waits for after this arm's end before a GPU is had alone (gpu.SERVERS_FILE)
-        write_servers(out, servers)
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
@@ -157,6 +157,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     if served:  # where a candidate's calls spent their time in and around its kernel server (sandbox/client.py)
         info["sandbox"] = served
     write_json(out / "arm.json", info)
+    set_on_start(None)
     return info
 
 
