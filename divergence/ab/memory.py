@@ -25,11 +25,10 @@ allocator, which that figure left out.
 
 An arm that runs out of GPU memory all the same while it shared its GPU trains again, alone (Job.alone): once this
 run's other arms on that GPU have ended, their kernel servers too (Placer.linger), and the GPU's lock
-(divergence/gpu.py) is held exclusively, so no other
-divergence arm or probe uses it meanwhile. Only out of memory alone is an arm's CRASH (a finding where it is the
-candidate's arm, a harness ERROR where it is a reference's or a null's), in words that name what it tried to
-allocate and the GPU's memory. One that cannot have the GPU to itself within `ab.arm_timeout_s` ends with ERROR:
-the machine's doing, judged against nobody.
+(divergence/gpu.py) is held exclusively, so no other divergence arm or probe uses it meanwhile. Only out of memory
+alone is an arm's CRASH (a finding where it is the candidate's arm, a harness ERROR where it is a reference's or a
+null's), in words that name what it tried to allocate and the GPU's memory. One that cannot have the GPU to itself
+within `ab.arm_timeout_s` ends with ERROR: the machine's doing, judged against nobody.
 """
 from __future__ import annotations
 
@@ -140,11 +139,12 @@ class Placer:
 
     def _bytes(self, rec: Optional[tuple]) -> int:
         """A record's need with the context as measured now: its peak, plus `context` for its first process and
-        CONTEXT_BYTES for each other one. The others are kernel servers (a candidate arm's, or a probe's worker):
-        a CUDA context and the candidate's code beyond what their allocators record (counted in the peak), none of
-        the training process's compiled graphs, cudagraph pools or workspaces. Charged `context` each, a soak's candidate arms were sized at 9.5 GiB over
-        their record where the training process had measured 4.74 GiB, and ran one after another on an 80 GB
-        card where two fit (8 candidates at 4096 x 65,536, one H100, 2026-11-28: 285 s of the soak's 427)."""
+        CONTEXT_BYTES for each other one. The others are kernel servers (a candidate arm's, or a probe's worker): a
+        CUDA context and the candidate's code beyond what their allocators record (counted in the peak), none of the
+        training process's compiled graphs, cudagraph pools or workspaces. Charged `context` each, a soak's
+        candidate arms were sized at 9.5 GiB over their record where the training process had measured 4.74 GiB, and
+        ran one after another on an 80 GB card where two fit (8 candidates at 4096 x 65,536, one H100, 2026-11-28:
+        285 s of the soak's 427)."""
         return 0 if rec is None else rec[0] + self.context + G.CONTEXT_BYTES * max(0, rec[1] - 1)
 
     def _refresh(self) -> None:
