@@ -3,6 +3,8 @@ repeats. The wandb runs are the offline files the soak wrote (conftest: WANDB_MO
 import csv
 import json
 
+import pytest
+
 from divergence.cli import main
 from divergence.sandbox import arm_writes_confined
 from divergence.recipe import RECIPES_DIR
@@ -97,10 +99,17 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
     assert len(sorted(out.glob("**/wandb/offline-run-*"))) == n_runs + 9 + 1
 
 
-def test_a_soak_of_candidates_in_process_judges_every_cell_after_the_last_arm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["in-process", "an arm's record unconfined"])
+def test_a_soak_of_candidates_in_process_judges_every_cell_after_the_last_arm(tmp_path, monkeypatch, how):
     """In-process (the opt-out), a candidate arm could rewrite another cell's files between that cell's tripwire
-    and its reads: no cell is judged while arms train, and the verdicts are the same."""
-    monkeypatch.setenv("DIVERGENCE_SANDBOX", "off")
+    and its reads: no cell is judged while arms train, and the verdicts are the same. Likewise, judged again after
+    the last arm, where a candidate arm's own record says its servers were not confined though its load's were."""
+    if how == "in-process":
+        monkeypatch.setenv("DIVERGENCE_SANDBOX", "off")
+    else:
+        from divergence import sandbox
+
+        monkeypatch.setattr(sandbox, "arms_unconfined", lambda folders: bool(list(folders)))
     out, demo = tmp_path / "soak", tmp_path / "demo.yaml"
     demo.write_text((RECIPES_DIR / "soaks" / "demo.yaml").read_text().replace("seeds: [0, 1]", "seeds: [0]"))
     code = main(["soak", str(demo), "--set", "train.steps=10", "--no-wandb", "--out", str(out)])

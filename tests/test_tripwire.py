@@ -288,3 +288,28 @@ def test_an_ab_whose_reference_metrics_are_rewritten_after_the_arms_is_tampered(
     v = json.loads((out / "verdict.json").read_text())
     assert v["verdict"] == "TAMPERED" and v["exit_code"] == 1
     assert v["signals"]["tripwire"]["reason"].startswith("sgd: sgd/reference/metrics.jsonl changed after its arm ended")
+
+
+def test_early_distances_are_dropped_once_a_candidate_arm_records_its_servers_unconfined(tmp_path):
+    """The A/B reads ended arms' distances while others train on the load worker's word that the candidate's
+    servers are confined; a candidate arm whose own record says otherwise ends that, and what was read early is
+    dropped (the judging reads every file itself). A record not yet written (the candidate loading) says nothing."""
+    from divergence.ab.run import DistancesAhead
+    from divergence.sandbox import arms_unconfined
+
+    confined = {"isolation": "sandboxed process", "sandbox": {"landlock": 7}}
+    for opt in ("sgd", "adamw"):
+        (tmp_path / opt / "candidate").mkdir(parents=True)
+    ahead = DistancesAhead(tmp_path, {"all": np.arange(4)}, 1, enabled=True)
+    before = ahead.files
+    assert not arms_unconfined(tmp_path.glob("*/candidate"))  # neither has written its record yet
+    write_json(tmp_path / "sgd" / "candidate" / "arm.json", {"status": "RUNNING", "isolation": {"embed": confined}})
+    assert ahead._confined() and ahead.files is before
+    write_json(tmp_path / "adamw" / "candidate" / "arm.json",
+               {"status": "RUNNING", "isolation": {"embed": dict(confined, sandbox={"landlock": False})}})
+    assert arms_unconfined(tmp_path.glob("*/candidate"))
+    ahead.arrived("adamw/reference", {"status": "OK"})
+    assert not ahead.enabled and ahead.files is not before and ahead.futures == []
+    write_json(tmp_path / "adamw" / "candidate" / "arm.json", {"status": "CRASH", "error": "died at its start"})
+    assert arms_unconfined(tmp_path.glob("*/candidate"))  # ended without saying: not taken as confined
+    ahead.finish()

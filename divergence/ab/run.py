@@ -238,7 +238,9 @@ class DistancesAhead:
     the last arm then reads (it checks each arm's files first: a file changed since is read again, under its new
     version). At 4096 x 65,536 the judging after the default A/B's last arm took 54 s (one H100, 2026-11-28), most
     of it reading snapshots of arms that had ended minutes before. A failure here is left to the judging, which
-    computes the same distances again and says what failed. Not `enabled`: it only keeps the ArmFiles."""
+    computes the same distances again and says what failed. Not `enabled`: it only keeps the ArmFiles. Enabled on
+    the load worker's word (sandbox.writes_confined); every early read is dropped should a candidate arm's own
+    record say otherwise (_confined)."""
 
     def __init__(self, out: Path, buckets, smooth: int, enabled: bool = True):
         self.out, self.buckets, self.smooth, self.enabled = Path(out), buckets, smooth, enabled
@@ -251,15 +253,21 @@ class DistancesAhead:
         opt, _, arm = key.partition("/")
         self.ended[key] = st.get("status")
         ref = f"{opt}/reference"
-        if not self.enabled:
-            return
-        if self.ended.get(ref) != "OK":
+        if not self._confined() or self.ended.get(ref) != "OK":
             return
         todo = [key] if arm != "reference" else [k for k in self.ended if k.startswith(f"{opt}/") and k != ref]
         for k in todo:
             if self.ended[k] == "OK":
                 self.futures.append(self.pool.submit(self.files.distances, self.out / ref, self.out / k,
                                                      self.buckets, self.smooth))
+
+    def _confined(self) -> bool:
+        """False, for good, once a candidate arm of this run records servers Landlock did not confine (the platform
+        confined the load's server and not its own: sandbox.arms_unconfined): the early reads made are dropped
+        and the judging reads every file itself."""
+        if self.enabled and sandbox.arms_unconfined(self.out.glob("*/candidate")):
+            self.enabled, self.files = False, compare.ArmFiles()
+        return self.enabled
 
     def finish(self, cancel: bool = False) -> None:
         """Waits for what was started (the judging must not read the memo while this thread writes it); with
@@ -270,6 +278,7 @@ class DistancesAhead:
             return
         concurrent.futures.wait(self.futures)
         self.pool.shutdown(wait=True)
+        self._confined()  # every candidate arm's record is in now
 
 
 def _probe_outcome(probe, probing) -> tuple:

@@ -232,15 +232,15 @@ def cmd_soak(args, publish=None) -> int:
 def _run_cells(args, publish, soak, out, opts, base, cells, jobs, corpora, device, workers, backend, address, gpus,
                probes) -> int:
     """The soak's arms, its cells judged as they complete and the rest after, its table and files: the exit code."""
-    from ..detect.distances import ArmFiles
-
     from .. import sandbox
+    from ..detect.distances import ArmFiles
 
     t0, ran = time.time(), set()
     files = ArmFiles()  # the soak's reads and distances, for each verdict and then its wandb runs
     # A cell is judged while other cells' arms train only where no candidate can write outside its kernel
     # server's scratch folder: another cell's candidate, in-process, could rewrite this cell's files between the
-    # judge's tripwire and its reads (as ab's DistancesAhead).
+    # judge's tripwire and its reads (as ab's DistancesAhead). Its loads say so; should a candidate arm's own record
+    # say otherwise, every cell is judged again after the last arm.
     early = all(sandbox.writes_confined(cell[1]) for cell in cells)
     judging = _CellsAsTheyComplete(cells, jobs, out, lambda cell, arms: _judge_cell(
         args, publish, cell, arms, out, opts, corpora, ran, files, probes),
@@ -255,14 +255,17 @@ def _run_cells(args, publish, soak, out, opts, base, cells, jobs, corpora, devic
         counts = {k: counts.get(k, 0) + v for k, v in n.items()}
     # The arms' end is the last arm's arrival: the judging of its cell, in its callback, is after it.
     t_judge = judging.last_arrival or time.time()
-    judged = dict(judging.judged)
+    rejudge = sandbox.arms_unconfined(out.glob("*/seed-*/*/candidate"))
+    judged = {} if rejudge else dict(judging.judged)
+    if rejudge:  # nothing read while arms trained is kept
+        files = ArmFiles()
     for i, cell in enumerate(cells):  # the rest: cells with arms kept from an earlier attempt, whose probe was not
         if i not in judged:           # in yet, or whose judging failed while arms trained (again here, where it
             judged[i] = _judge_cell(  # stops nothing)
                 args, publish, cell, arms, out, opts, corpora, ran, files, probes)
     rows = ranked([judged[i][0] for i in range(len(cells))])
     logged = sum(judged[i][1] for i in range(len(cells)))
-    meanwhile = sum(judging.started[i] < t_judge for i in judging.judged)
+    meanwhile = 0 if rejudge else sum(judging.started[i] < t_judge for i in judging.judged)
     timings = {"arms_s": round(t_judge - t0, 2), "judge_publish_s": round(time.time() - t_judge, 2),
                "cells_judged_while_arms_trained": meanwhile}
     write_json(out / "soak.json", {"soak": soak, "optimizers": opts, "rows": rows, "arms": counts,

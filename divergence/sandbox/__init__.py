@@ -12,7 +12,9 @@ on the live process) apply; in the server there is nothing of the harness to rea
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 OPT_OUT = "DIVERGENCE_SANDBOX"  # "off" (or 0, false, no): candidates load in-process
 SANDBOXED = "sandboxed process"
@@ -61,6 +63,20 @@ def arm_writes_confined(arm: dict) -> bool:
     return isinstance(iso, dict) and bool(iso) and all(isinstance(v, dict) and _confined(v) for v in iso.values())
 
 
+def arms_unconfined(folders) -> bool:
+    """Whether any of these candidate arm folders records servers that Landlock did not confine, or ended without
+    saying (arm_writes_confined); one that has not written its record yet (its candidate still loading) says
+    nothing yet."""
+    for folder in folders:
+        try:
+            arm = json.loads((Path(folder) / "arm.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if not arm_writes_confined(arm):
+            return True
+    return False
+
+
 def _confined(iso: dict) -> bool:
     return iso.get("isolation") == SANDBOXED and bool((iso.get("sandbox") or {}).get("landlock"))
 
@@ -73,4 +89,4 @@ def use_recipe(recipe) -> None:
 
 
 __all__ = ["OPT_OUT", "SANDBOXED", "IN_PROCESS", "wanted", "supported", "isolation_of", "writes_confined",
-           "arm_writes_confined", "use_recipe"]
+           "arm_writes_confined", "arms_unconfined", "use_recipe"]
