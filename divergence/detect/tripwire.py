@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..files import write_atomic
-from ..sandbox import arm_writes_confined
+from ..sandbox import arm_record, arm_writes_confined
 
 SEALED = ("arm.json", "metrics.jsonl", "snapshots", "evals")  # what the judge reads of an arm folder
 SEALS_FILE = "seals.json"  # beside the arm folders: {arm folder name: {file: sha256}}
@@ -234,7 +234,7 @@ def check(ref_dir, cand_dir, null_dirs, rows: Callable = None, confined: bool = 
                 unsealed.append(f"{d.parent.name}/{d.name}")
             continue
         findings += changed
-    confined = confined and arm_writes_confined(_arm_record(cand_dir))
+    confined = confined and arm_writes_confined(arm_record(cand_dir))
     same = None if confined else identical_training(ref_dir, cand_dir, rows)
     if same:
         findings.append(same)
@@ -242,11 +242,3 @@ def check(ref_dir, cand_dir, null_dirs, rows: Callable = None, confined: bool = 
 
 
 NOT_RUN = "not run: the candidate's kernel servers could write nothing outside their scratch folders"
-
-
-def _arm_record(folder) -> dict:
-    try:
-        got = json.loads((Path(folder) / "arm.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return got if isinstance(got, dict) else {}

@@ -68,13 +68,18 @@ def arms_unconfined(folders) -> bool:
     saying (arm_writes_confined); one that has not written its record yet (its candidate still loading) says
     nothing yet."""
     for folder in folders:
-        try:
-            arm = json.loads((Path(folder) / "arm.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if not arm_writes_confined(arm):
+        arm = arm_record(folder)
+        if arm is not None and not arm_writes_confined(arm):
             return True
     return False
+
+
+def arm_record(folder):
+    """An arm folder's arm.json as parsed; None where there is none yet or it does not parse."""
+    try:
+        return json.loads((Path(folder) / "arm.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _confined(iso: dict) -> bool:
@@ -89,4 +94,4 @@ def use_recipe(recipe) -> None:
 
 
 __all__ = ["OPT_OUT", "SANDBOXED", "IN_PROCESS", "wanted", "supported", "isolation_of", "writes_confined",
-           "arm_writes_confined", "arms_unconfined", "use_recipe"]
+           "arm_writes_confined", "arms_unconfined", "arm_record", "use_recipe"]
