@@ -696,7 +696,8 @@ def format_table(res: dict) -> str:
         lines.append(f"lockstep on fused_embed_rmsnorm ({ls['candidate_spec']}, {how}): {ls['extra_ms_per_step']:+.2f} "
                      f"ms/step ({100 * ls['overhead']:+.1f}% of the harness step)")
         for slot, t in (ls.get("sandbox") or {}).items():  # the candidate's calls through its kernel server
-            lines.append(f"kernel server ({slot}, {t['calls']} calls, {t.get('overlapped', 0)} overlapped): "
+            lines.append(f"kernel server ({slot}, {t['calls']} calls, {t.get('overlapped', 0)} overlapped, "
+                         f"{t.get('pipelined', 0)} of them pipelined): "
                          f"{t['send_ms_per_call']:.2f} ms sending, "
                          f"{t['wait_ms_per_call']:.2f} ms waiting (the candidate's own {t['run_ms_per_call']:.2f} ms), "
                          f"{t['receive_ms_per_call']:.2f} ms receiving, per call")
@@ -735,7 +736,13 @@ def main(argv=None) -> int:
                                          "recipe's ab.optimizers)")
     ap.add_argument("--profile", metavar="DIR", help=f"also profile {PROFILE_STEPS} steady steps of each loop: "
                     "wall, device-busy and launches per step, and torch.profiler's top ops")
+    ap.add_argument("--no-pipeline", action="store_true", help="the candidate arm's calls to its kernel server "
+                    "not pipelined (each waits for the server's reply), to compare")
     args = ap.parse_args(argv)
+    if args.no_pipeline:
+        from divergence.sandbox import client
+
+        client.PIPELINE = False
     if args.sets and not args.soak:
         ap.error("--set changes only --soak's divergence ab; add --soak")
     recipe_name = args.recipe or default_recipe_name()

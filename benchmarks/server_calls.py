@@ -1,5 +1,5 @@
 """What one call of a candidate costs the caller: in-process, and in its kernel server synchronously (the probe's
-calls) and overlapped (an arm's), at a recipe's shapes of `fused_embed_rmsnorm` (the tokens of one step, the
+calls), overlapped, and overlapped and pipelined (an arm's: sandbox/pipeline.py), at a recipe's shapes of `fused_embed_rmsnorm` (the tokens of one step, the
 model's hidden size and vocabulary). Per call: the caller's host time, and the device time of N calls back to back
 (each preceded by a GPU op that makes its inputs, as a training step's backward does). With the server's own
 account of where a call's time went (sandbox/client.CallTiming). GPU only.
@@ -89,12 +89,13 @@ def main():
     torch.cuda.synchronize()
     out["work_ms"] = round(1e3 * (time.perf_counter() - t), 3)
     out["reference"] = timed(lambda *a: slot.reference(*a, vocab_size=vocab), x, args.calls, work)
-    for mode in ("off", "sync", "overlap"):
+    for mode in ("off", "sync", "overlap", "pipeline"):
         os.environ[OPT_OUT] = "off" if mode == "off" else "on"
         impl = load_candidate("fused_embed_rmsnorm", args.candidate)
         remote = getattr(impl.fn, "sandbox", None)
         if remote is not None:
-            remote.server.overlap = mode == "overlap"
+            remote.server.overlap = mode in ("overlap", "pipeline")
+            remote.server.pipeline = mode == "pipeline"
 
         def reset():
             if remote is not None:
@@ -104,6 +105,7 @@ def main():
 
         out[mode] = timed(lambda *a: impl.fn(*a, vocab_size=vocab), x, args.calls, work, reset, args.profile)
         if remote is not None:
+            remote.server.settle()
             out[mode]["server"] = remote.server.timing.summary()
             if args.profile:
                 print(f"--- the server's side, {mode}:\n{remote.server.profile(False)}", file=sys.stderr)

@@ -154,6 +154,50 @@ def build_tensor(torch, desc: dict, storage, names: dict):
     return torch.empty(0, dtype=dt, device=storage.device).set_(storage, offset, shape, stride)
 
 
+def share_desc(storage) -> dict:
+    """A CUDA storage's IPC descriptor as a message carries it (torch's _share_cuda_, bytes as hex)."""
+    a = storage._share_cuda_()
+    return {"device": a[0], "handle": a[1].hex(), "size": a[2], "offset": a[3], "ref": a[4].hex(),
+            "ref_offset": a[5], "event": a[6].hex() if a[6] else None, "event_sync": bool(a[7])}
+
+
+def open_shared(torch, a: dict):
+    """The storage an IPC descriptor (share_desc) names, mapped into this process."""
+    torch.cuda._lazy_init()  # as torch's own rebuild_cuda_tensor does first
+    return torch.UntypedStorage._new_shared_cuda(
+        _int(a["device"]), bytes.fromhex(a["handle"]), _int(a["size"]), _int(a["offset"]), bytes.fromhex(a["ref"]),
+        _int(a["ref_offset"]), bytes.fromhex(a["event"]) if a.get("event") else None, bool(a["event_sync"]))
+
+
+_MEMOPS: list = []
+WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, so a sequence number may wrap
+
+
+def stream_memops():
+    """(wait, write): the CUDA driver's cuStreamWaitValue32 and cuStreamWriteValue32, each
+    f(stream, address, value, flags) -> CUresult, or None where the driver has neither. A pipelined call's order
+    across the two processes (client.KernelServer.pipeline): a stream waits on the device for a word in GPU memory
+    that the other process's stream writes after its work (the write is fenced: what came before it in that stream
+    is visible first), with no host waiting on either side."""
+    if not _MEMOPS:
+        fns = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            got = []
+            for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+                f = getattr(lib, name + "_v2", None) or getattr(lib, name, None)
+                if f is None:
+                    raise OSError(f"{name} not in the driver")
+                f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+                f.restype = ctypes.c_int
+                got.append(f)
+            fns = tuple(got)
+        except OSError:
+            pass
+        _MEMOPS.append(fns)
+    return _MEMOPS[0]
+
+
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.<>]{0,119}")
 
 
@@ -671,6 +715,11 @@ class Server:
         self.done = {}  # device -> (our interprocess "outputs ready" event, its handle): recorded after each
         # overlapped call
         self.prof = None  # a cProfile.Profile while a benchmark asks (profile)
+        # A pipelined call (client.KernelServer.pipeline): the outputs go into buffers of the trusted side's, mapped
+        # here once, and a word of its GPU memory is written with the call's number after them
+        self.pipe_flags = {}  # device -> the trusted side's flag word, mapped
+        self.pipe_outs = {}  # the trusted side's buffer number -> that output buffer, mapped
+        self.pipe_now = None  # this call's (device, flag storage, number) until the flag is written
 
     def serve(self):
         hello = recv_header(self.conn)
@@ -856,12 +905,7 @@ class Server:
         for d in msg["storages"]:
             key, n, dev = json.dumps(d["key"]), _int(d["n"]), torch.device(d["dev"])
             if d["via"] == "ipc":  # a staging buffer of the trusted side's, mapped once and kept while it is
-                a = d["ipc"]
-                torch.cuda._lazy_init()  # as torch's own rebuild_cuda_tensor does first
-                st = torch.UntypedStorage._new_shared_cuda(
-                    a["device"], bytes.fromhex(a["handle"]), a["size"], a["offset"], bytes.fromhex(a["ref"]),
-                    a["ref_offset"], bytes.fromhex(a["event"]) if a.get("event") else None, a["event_sync"])
-                self.held[key] = st
+                self.held[key] = open_shared(torch, d["ipc"])
             if d["via"] in ("ipc", "mapped"):
                 out.append({"storage": self.held[key], "n": n, "pristine": None, "ipc": True})
                 continue
@@ -882,6 +926,47 @@ class Server:
         return out
 
     def call(self, msg):
+        self.pipe_now = None
+        try:
+            self._call(msg)
+        finally:
+            # Whatever happened, the flag of a pipelined call is written (its caller's stream waits for it on the
+            # device); where even that fails (a context the candidate broke), the caller writes it itself once it
+            # reads the error
+            self.signal_pipe()
+
+    def pipe_targets(self, pipe, dev):
+        """The output buffers of a pipelined call, in order (mapping those sent for the first time); its flag
+        made ready to be written."""
+        torch = self.torch
+        for i in pipe.get("drop") or []:
+            self.pipe_outs.pop(_int(i), None)
+        if pipe.get("flag") is not None:
+            self.pipe_flags[dev] = open_shared(torch, pipe["flag"])
+        flag = self.pipe_flags[dev]
+        if stream_memops() is None or flag.nbytes() < 4:
+            raise RuntimeError("no stream memory operations in this process's CUDA driver")
+        outs = []
+        for i, a in pipe.get("outs") or []:
+            if a is not None:
+                self.pipe_outs[_int(i)] = open_shared(torch, a)
+            outs.append(self.pipe_outs[_int(i)])
+        self.pipe_now = (dev, flag, _int(pipe["seq"]) & 0xFFFFFFFF)
+        return outs
+
+    def signal_pipe(self) -> None:
+        """This pipelined call's number into its caller's flag, on our stream after everything the call put there."""
+        if self.pipe_now is None:
+            return
+        dev, flag, seq = self.pipe_now
+        self.pipe_now = None
+        try:
+            stream = self.torch.cuda.current_stream(dev)
+            stream_memops()[1](stream.cuda_stream, flag.data_ptr(), seq, 0)
+        except Exception:  # noqa: BLE001 - the caller writes it itself on the error it reads
+            pass
+
+    def _call(self, msg):
         torch = self.torch
         t_request = time.perf_counter()
         try:
@@ -904,6 +989,11 @@ class Server:
             return self.reply({"ok": False, "stage": "events", "error": error_info(e.__cause__ or e)})
         except Exception as e:  # noqa: BLE001 - the CUDA error of an earlier call's kernels, surfacing now
             return self.reply({"ok": False, "stage": "call", "error": error_info(e)})
+        try:  # a pipelined call's output buffers and flag (the trusted side's), mapped here
+            into = self.pipe_targets(msg["pipe"], overlap_dev) if msg.get("pipe") and overlap_dev is not None \
+                else None
+        except Exception as e:  # noqa: BLE001 - a request this side cannot take: said, not fatal
+            return self.reply({"ok": False, "stage": "request", "error": error_info(e)})
         watch = float(msg.get("watch") or 0)
         self.cuda_copy = bool(msg.get("cuda_copy"))
         fn = _echo if msg.get("echo") else self.fn  # echo: the trusted side's check that CUDA IPC works both ways
@@ -934,13 +1024,16 @@ class Server:
             reply["ret"] = pack(torch, ret, out_tensors)
             if overlap_dev is not None:  # the trusted side's stream waits for this event: no sync here or there
                 reply["run_s"] = time.perf_counter() - t_run  # the candidate's call, its launches
-                reply["done"] = self.record_done(overlap_dev)
+                if into is None:  # (a pipelined call's order is its flag's)
+                    reply["done"] = self.record_done(overlap_dev)
             else:
                 self.sync()  # an asynchronous kernel error surfaces here, and is the call's
                 reply["run_s"] = time.perf_counter() - t_run  # the candidate's call to its work done on the device
             # With a watch, what goes back is copied at return, and whether it changed `watch` seconds later is said
             reply["changed"], bufs = self.changed_inputs(stores, copy=watch > 0)
-            reply["out_storages"], reply["out_tensors"], more = self.pack_outputs(out_tensors, stores, watch > 0)
+            reply["out_storages"], reply["out_tensors"], more = self.pack_outputs(out_tensors, stores, watch > 0,
+                                                                                  into)
+            self.signal_pipe()  # as soon as the outputs' copies are queued: the caller's device goes on from here
             if watch > 0:
                 seen = [t.detach().clone() for t in out_tensors + args_t]
                 time.sleep(watch)
@@ -1016,18 +1109,22 @@ class Server:
                 bufs.append(memoryview(now).cast("B"))
         return changed, bufs
 
-    def pack_outputs(self, tensors, stores, copy: bool) -> tuple:
+    def pack_outputs(self, tensors, stores, copy: bool, into=None) -> tuple:
         """(storages, tensors, buffers) of what the candidate returned (`copy`: its bytes as they are now, not as
         they will be when sent). A storage that is one of the request's is named by its index (the trusted side
         hands back a view of its own); any other goes over its span, with a token that stays the same while the
         candidate keeps that buffer alive (a kernel returning a buffer it rewrites on every call is then seen doing
-        so)."""
+        so). `into`: a pipelined call's buffers of the trusted side's, one per storage that is not an input's, in
+        order: each span is copied into its buffer ("staged"), or, where there is no such buffer of its size,
+        not sent at all ("missed": the trusted side, which took this call's outputs to be laid out as its last
+        call's, stops on it)."""
         torch = self.torch
         with torch._C.DisableTorchFunction():  # a subclass's __torch_function__ has no say in what is sent
             notes = [_not_data(torch, t) for t in tensors]
             plain = [(t.to_dense() if t.layout is not torch.strided else t).detach() for t in tensors]
             by_ptr = {s["storage"].data_ptr(): i for i, s in enumerate(stores) if s["n"]}
             storages, descs, bufs = [], [None] * len(plain), []
+            staged = 0  # storages of ours so far (a pipelined call's buffers are in their order)
             for st, idx, start, end in group(plain):
                 j = by_ptr.get(st.data_ptr()) if st.nbytes() else None
                 if j is not None:
@@ -1036,18 +1133,24 @@ class Server:
                 else:
                     n = end - start
                     entry = {"n": n, "dev": str(st.device), "token": self.token(st), "start": start}
-                    if st.device.type == "cuda" and n and not self.cuda_copy:
+                    if into is not None:
+                        target = into[staged] if staged < len(into) else None
+                        staged += 1
+                        if target is not None and target.nbytes() == n and target.device == st.device:
+                            u8(torch, target, 0, n).copy_(u8(torch, st, start, n))
+                            entry["via"] = "staged"
+                        else:
+                            entry["via"] = "missed"
+                    elif st.device.type == "cuda" and n and not self.cuda_copy:
                         try:
                             if copy:
                                 raise RuntimeError("a copy at return")
-                            a = st._share_cuda_()
+                            desc = share_desc(st)
                         except RuntimeError:  # a copy of the span shared in its place (memory not torch's own to
                             # share, or the values at return); CUDA IPC keeps it alive until the trusted side is done
                             shared, entry["start"] = u8(torch, st, start, n).clone().untyped_storage(), 0
-                            a = shared._share_cuda_()
-                        entry.update(via="ipc", ipc={"device": a[0], "handle": a[1].hex(), "size": a[2],
-                                                     "offset": a[3], "ref": a[4].hex(), "ref_offset": a[5],
-                                                     "event": a[6].hex() if a[6] else None, "event_sync": bool(a[7])})
+                            desc = share_desc(shared)
+                        entry.update(via="ipc", ipc=desc)
                     else:
                         host = u8(torch, st, start, n).cpu().numpy()  # (a view on the CPU)
                         bufs.append(memoryview(host.copy() if copy and st.device.type == "cpu" else host).cast("B")

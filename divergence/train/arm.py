@@ -19,6 +19,7 @@ from ..candidates.resolve import build_kernels
 from ..device import pick_device
 from ..gpu import write_servers
 from ..sandbox import isolation_of
+from ..sandbox import client as kernel_client
 from ..sandbox.client import server_pids, set_on_start
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
@@ -122,6 +123,8 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
             # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the
             # candidate arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
             remote.server.overlap = True
+            # and returning before the server answers, its reply read at the next call (sandbox/pipeline.py)
+            remote.server.pipeline = kernel_client.PIPELINE
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
@@ -147,13 +150,15 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     if boot_s is not None:
         rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
     rec.t["fit_called"] = time.perf_counter()
-    _fit(trainer, module, rec, recipe, batches, device, info)
+    _fit(trainer, module, rec, recipe, batches, device, info, kernels)
     info["wall_s"] = time.time() - t0
     _add_rates(info, recipe, module, rec, device)
     if lockstep is not None:
         info["lockstep"] = lockstep.summary()
-    served = {slot: remote.server.timing.summary() for slot, impl in kernels.impls.items()
-              if (remote := getattr(impl.fn, "sandbox", None)) is not None}
+    # (with whether its calls were pipelined, or why not: sandbox/pipeline.py)
+    served = {slot: {**remote.server.timing.summary(),
+                     **{k: v for k, v in remote.server.platform.items() if k in ("pipeline", "overlap_error")}}
+              for slot, impl in kernels.impls.items() if (remote := getattr(impl.fn, "sandbox", None)) is not None}
     if served:  # where a candidate's calls spent their time in and around its kernel server (sandbox/client.py)
         info["sandbox"] = served
     write_json(out / "arm.json", info)
@@ -195,10 +200,13 @@ def _trainer(recipe, device: str, progress: Optional[bool], callbacks=()):
     )
 
 
-def _fit(trainer, module, rec, recipe, batches, device: str, info: dict) -> None:
+def _fit(trainer, module, rec, recipe, batches, device: str, info: dict, kernels) -> None:
     """Train; `info["status"]` says how it ended: OK, the recorder's stop (NAN, ...) or CRASH."""
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
+        for impl in kernels.impls.values():  # the last pipelined call's reply read and checked
+            if (remote := getattr(impl.fn, "sandbox", None)) is not None:
+                remote.server.settle()
         if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
             raise RuntimeError(f"training stopped at step {module.step_no} of {recipe.train.steps}")
         info["status"] = "OK"
