@@ -6,27 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import textwrap
 import threading
 
 import pytest
 import torch
+from test_sandbox import OVERLAP_CANDIDATE, sandbox_on, write  # noqa: F401 - sandbox_on: the fixture
 
 from divergence.candidates.loader import load_candidate
 from divergence.errors import CandidateError, OutputError
-from divergence.sandbox import OPT_OUT
 from divergence.sandbox.pipeline import Pipeline, signature
-
-
-@pytest.fixture
-def sandbox_on(monkeypatch):
-    monkeypatch.setenv(OPT_OUT, "on")
-
-
-def write(tmp_path, name: str, body: str) -> str:
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(body))
-    return str(p)
 
 
 # ------------------------------------------------------------------------------------------ the layout, on CPU
@@ -116,21 +104,7 @@ def test_no_pipeline_without_cuda():
 
 # Each call's inputs come out of long GPU work queued just before; the candidate sleeps on the device after
 # returning, writes into its input `up` and returns a buffer it keeps: an unordered read anywhere sees stale values.
-KEEPS = """
-import torch
-_KEPT = []
-
-def run(gate, up):
-    torch.cuda._sleep(1_000_000)
-    if not _KEPT:
-        _KEPT.append(torch.empty_like(gate))
-    out = _KEPT[0]
-    torch.mul(gate, up, out=out)
-    up.add_(1)
-    if float(gate.flatten()[0].item()) == 1024.0:
-        raise ValueError("told to fail")
-    return out
-"""
+KEEPS = OVERLAP_CANDIDATE
 
 FRESH = """
 import torch
