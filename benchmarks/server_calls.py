@@ -1,8 +1,9 @@
 """What one call of a candidate costs the caller: in-process, and in its kernel server synchronously (the probe's
-calls), overlapped, and overlapped and pipelined (an arm's: sandbox/pipeline.py), at a recipe's shapes of `fused_embed_rmsnorm` (the tokens of one step, the
-model's hidden size and vocabulary). Per call: the caller's host time, and the device time of N calls back to back
-(each preceded by a GPU op that makes its inputs, as a training step's backward does). With the server's own
-account of where a call's time went (sandbox/client.CallTiming). GPU only.
+calls), overlapped, and overlapped and pipelined (an arm's: sandbox/pipeline.py), at a recipe's shapes of
+`fused_embed_rmsnorm` (the tokens of one step, the model's hidden size and vocabulary). Per call: the caller's
+host time, and the device time of N calls back to back (each preceded by a GPU op that makes its inputs, as a
+training step's backward does). With the server's own account of where a call's time went
+(sandbox/client.CallTiming). GPU only.
 
     python benchmarks/server_calls.py [--recipe h200] [--candidate zoo:triton_embed_fp32] [--calls 60] [--profile]
 """

@@ -20,8 +20,9 @@ What crosses, and how:
   (`platform["overlap_error"]` says why). Once the calls with an inputs' layout have returned plain tensors laid
   out alike twice, an arm's calls with that layout are pipelined (pipeline.py): they return before the server
   answers, the outputs copied by the server into buffers of ours, the order kept by a flag word its stream
-  writes and ours waits for; the reply is read and checked at the next call (`platform["pipeline"]`). Where CUDA IPC fails (checked once, with a tensor of
-  16 elements), GPU tensors go by copy through the host (`platform["cuda_transport"]` says which).
+  writes and ours waits for; the reply is read and checked at the next call (`platform["pipeline"]`). Where CUDA
+  IPC fails (checked once, with a tensor of 16 elements), GPU tensors go by copy through the host
+  (`platform["cuda_transport"]` says which).
 - Outputs are rebuilt here as exact torch.Tensors, on storages of ours. An output buffer the candidate keeps and
   returns again comes back into the same storage of ours (kernel_server's tokens), so a kernel whose outputs its
   next call overwrites is seen doing so. What else an output carried (a subclass, autograd state, hooks, methods on
@@ -44,6 +45,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -69,6 +71,7 @@ from .pipeline import Pipeline, signature
 
 PIPELINE = True  # an arm's calls pipelined (train/arm.py); `benchmarks/bench.py --no-pipeline` compares without
 SYNC_CALLS = 3  # an overlapped server's first calls are synchronous all the same (KernelServer.overlap)
+STAND_IN_ELEMENTS = 1 << 26  # the largest output rebuilt (CPU zeros) to put a late refusal in outputs.py's words
 STAGING_BYTES = 1 << 30  # storages kept mapped/mirrored per server beyond the current call's (identity by address)
 _DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
 _REF = re.compile(rb"/torch_(\d+)_\d+_\d+")  # torch's shared-memory names: /torch_<pid>_<random>_<counter>
@@ -166,7 +169,8 @@ class CallTiming:
     def summary(self) -> dict:
         steady = self.calls - self.FIRST_CALLS
         sums, n = (self.steady, steady) if steady > 0 else (self.all, max(1, self.calls))
-        return {"calls": self.calls, "overlapped": self.overlapped, "pipelined": self.pipelined, "timed_calls": max(steady, 0) or self.calls,
+        return {"calls": self.calls, "overlapped": self.overlapped, "pipelined": self.pipelined,
+                "timed_calls": max(steady, 0) or self.calls,
                 **{f"{k}_ms_per_call": round(1000 * v / n, 3) for k, v in sums.items()}}
 
 
@@ -569,13 +573,15 @@ class KernelServer:
             pending = self._pipe.pending
             if pending is None:
                 return
-            self._pipe.pending = None
             t0 = time.perf_counter()
-            h = self._recv()
+            h = self._recv()  # (a server gone: _lost unblocks our stream, the call still pending there)
             t1 = time.perf_counter()
+            self._pipe.pending = None
             try:
                 unlike = self._pipe.unlike(h, pending) if h.get("ok") else None
                 state = self._take_state(h)
+                if h.get("ok") and unlike is None:
+                    self._learn_tokens(h, pending)
             except (ValueError, KeyError, TypeError, IndexError, RuntimeError, AttributeError) as e:
                 self._pipe.unblock(pending)
                 self.close()
@@ -592,7 +598,6 @@ class KernelServer:
                 raise LateOutputs(f"{self.where}: a call returned {unlike}, though its inputs were laid out as "
                                   "theirs; an arm's calls run ahead of the server's replies, so its outputs had "
                                   "already gone on to training: the arm stops here", h)
-            self._learn_tokens(h, pending)
             # What the server ended that call with: the next call sends ours only where it differs from this
             self._state_synced = dict(pending["synced"], **state)
             self.calls_made += 1
@@ -767,7 +772,6 @@ class KernelServer:
     def _outputs(self, h: dict, groups: list, overlap: bool = False) -> list:
         """The returned tensors, rebuilt here as exact torch.Tensors on storages of ours."""
         stores, opened = [], []
-        names = wire.dtypes(torch)
         for d in h.get("out_storages") or []:
             if d.get("via") == "input":
                 g = groups[wire._int(d["input"])]
@@ -1020,12 +1024,15 @@ class RemoteFunction:
             ret, late, notes = self.server.call(args, kwargs, watch=watch)
         except LateOutputs as e:  # the call before this one (pipelined): a subclass, hooks, in their words
             h = e.reply
-            outs = [torch.zeros([wire._int(n) for n in d.get("shape") or []], dtype=wire.dtypes(torch)[d["dtype"]])
-                    for d in h.get("out_tensors") or [] if d.get("dtype") in wire.dtypes(torch)]
-            try:
+            try:  # stand-ins of the shapes it said (bounded: the server's word), for outputs.py's words
+                shapes = [[wire._int(n) for n in d.get("shape") or []] for d in h.get("out_tensors") or []]
+                if any(math.prod(sh) > STAND_IN_ELEMENTS for sh in shapes):
+                    raise ValueError("outputs too large to stand in for")
+                outs = [torch.zeros(sh, dtype=wire.dtypes(torch)[d["dtype"]])
+                        for sh, d in zip(shapes, h.get("out_tensors") or [])]
                 shown = wire.unpack(torch, h.get("ret"), outs, _Opaque.make)
                 notes = {"outputs": h.get("out_tensors") or [], "ret": h.get("ret"), "hooks": h.get("hooks") or []}
-            except (ValueError, KeyError, TypeError, IndexError):
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError):
                 raise e from None
             self._refuse(shown, notes, args)
             raise
