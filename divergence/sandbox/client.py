@@ -76,6 +76,13 @@ STAGING_BYTES = 1 << 30  # storages kept mapped/mirrored per server beyond the c
 _DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
 _REF = re.compile(rb"/torch_(\d+)_\d+_\d+")  # torch's shared-memory names: /torch_<pid>_<random>_<counter>
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
+# Every staging pool, kept for the process's life: its buffers are shared with a server by CUDA IPC, and torch keeps
+# a shared block until the server has let go of it, so a block can be freed after its server, and its KernelServer,
+# are gone; it must then find its pool. An arm or a probe's worker keeps its one server for its life anyway; a
+# process that starts many (the GPU tests) keeps a pool of cached staging blocks per server it started. (The GPU tests
+# run in one process aborted without a message with servers started and closed beside other GPU work, one H200,
+# 2026-11-29; this is one mechanism that fits, not re-run on a GPU since.)
+_POOLS: list = []
 _TIMED = [False]  # timed_calls(): servers started from this process load torch's compiler first
 
 
@@ -645,6 +652,7 @@ class KernelServer:
         if self._pool is None:
             try:
                 self._pool = self._pipe.pool = torch.cuda.MemPool()
+                _POOLS.append(self._pool)
                 self.platform["staging"] = "own memory pool"
             except Exception:  # noqa: BLE001 - older torch: the shared allocator, its segments may hold other data
                 self._pool = False

@@ -68,9 +68,8 @@ class Pipeline:
         self.pending: Optional[dict] = None  # the call sent and not yet settled
         self._watch = None
         # The memory pool the flags and buffers above came from (client.KernelServer._pool_alloc), held last: this
-        # object's attributes go in the order they were set, so its buffers return to the pool before the pool
-        # goes, whoever holds this object last (the watch thread may outlive the server). A pool destroyed with a
-        # block of it still held aborted the process at a later garbage collection (one H200, 2026-11-29).
+        # object's attributes go in the order they were set, so its buffers return to the pool before this
+        # object lets go of it (the pool itself is kept for the process's life: client._POOLS says why).
         self.pool = None
 
     # -- whether
@@ -196,8 +195,7 @@ class Pipeline:
         """Once: a thread that, should the server's process end while a call is pending, unblocks our stream (the
         arm may be waiting on its device on the host, e.g. for a loss, before its next call reads the end). The
         thread holds this object weakly: it never keeps our GPU memory alive, nor frees it from its own thread
-        when it ends (a process that had started and closed pipelined servers beside other GPU work aborted in
-        one GPU test run, one H200, 2026-11-29, while a finished thread still held them; not diagnosed further)."""
+        when it ends."""
         if self._watch is not None:
             return
         me = weakref.ref(self)
