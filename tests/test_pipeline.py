@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from test_sandbox import OVERLAP_CANDIDATE, sandbox_on, write  # noqa: F401 - sandbox_on: the fixture
+from test_sandbox import OVERLAP_CANDIDATE, sandbox_on, swiglu_inputs, write  # noqa: F401 - sandbox_on: the fixture
 
 from divergence.candidates.loader import load_candidate
 from divergence.errors import CandidateError, OutputError
@@ -94,10 +94,20 @@ def test_layouts_beyond_the_bound_let_their_buffers_go():
     assert p.drop == [0, 1] and ("s0", 0) not in p.buffers
 
 
-def test_no_pipeline_without_cuda():
-    """On a machine without CUDA calls are never pipelined, and nothing is tried."""
-    p = Pipeline()
-    assert p.layout("s") is None
+def test_calls_with_cpu_tensors_are_never_pipelined(tmp_path, sandbox_on):
+    """An arm's server asked to pipeline, with CPU tensors (their bytes, and what the candidate writes into them,
+    come back only in the reply): every call waits for its reply, nothing is tried, and settling is a no-op."""
+    impl = load_candidate("swiglu", write(tmp_path, "plain.py", "def run(gate, up):\n    return gate * up\n"))
+    server = impl.fn.sandbox.server
+    server.overlap = server.pipeline = True
+    gate, up = swiglu_inputs()
+    for _ in range(8):
+        assert torch.equal(impl.fn(gate, up), gate * up)
+        assert server._pipe.pending is None
+    server.settle()
+    assert server.timing.calls == 8 and server.timing.pipelined == 0
+    assert "pipeline" not in server.platform and server._pipe.on is None
+    server.close()
 
 
 # ----------------------------------------------------------------------------------------------- on a GPU

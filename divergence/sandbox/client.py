@@ -551,8 +551,7 @@ class KernelServer:
             self.platform["pipeline"] = str(e)
             self.settle()
             self._pipe.host_wait(pending)
-        for g in groups:  # every input mapped: copied back whole, as an overlapped call's (_copy_back)
-            wire.u8(torch, g["storage"], g["start"], g["n"]).copy_(g["staging"])
+        _copy_back_mapped(groups)
         stores = []
         for j, d in enumerate(layout["storages"]):
             if d["via"] == "input":
@@ -624,13 +623,9 @@ class KernelServer:
             tok = wire._int(d.get("token"))
             mine = pending["mirrors"].get(j)
             if mine is not None and self._mirror_of(tok) is not mine:
-                self.mirrors[tok] = weakref.ref(mine, lambda r, t=tok, m=self.mirrors: m.get(t) is r and m.pop(t))
+                self._keep_mirror(tok, mine)
             layout["kept"][j] = tok == layout["tokens"][j]
             layout["tokens"][j] = tok
-
-    def _mirror_of(self, token: int):
-        held = self.mirrors.get(token)
-        return held() if held is not None else None
 
     def _ipc_works(self, device) -> bool:
         """Whether CUDA IPC carries a tensor there and back (a server under Landlock cannot take every kind of
@@ -770,12 +765,7 @@ class KernelServer:
                 host = torch.empty(g["n"], dtype=torch.uint8)
                 self._into(host.numpy(), g["n"])
                 target.copy_(host)
-        # Each mapped input copied back whole, whether or not the candidate wrote into it: a comparison first
-        # (torch.equal) is a host sync per input, 9 a step at the h200 recipe; an unchanged copy rewrites the same
-        # bytes, on our stream, after the server's work (an overlapped call's `done` event, waited for above).
-        for g in groups:
-            if g["staging"] is not None:
-                wire.u8(torch, g["storage"], g["start"], g["n"]).copy_(g["staging"])
+        _copy_back_mapped(groups)
 
     def _outputs(self, h: dict, groups: list, overlap: bool = False) -> list:
         """The returned tensors, rebuilt here as exact torch.Tensors on storages of ours."""
@@ -820,12 +810,19 @@ class KernelServer:
     def _mirror(self, token: int, n: int, device):
         """The storage of ours that output buffer `token` of theirs comes back into: the same one while we still
         hold it, so an output its next call rewrites changes here as it would have in-process."""
-        held = self.mirrors.get(token)
-        st = held() if held is not None else None
+        st = self._mirror_of(token)
         if st is None or st.nbytes() != n or st.device != device:
             st = torch.UntypedStorage(n, device=device)
-            self.mirrors[token] = weakref.ref(st, lambda r, t=token, d=self.mirrors: d.get(t) is r and d.pop(t))
+            self._keep_mirror(token, st)
         return st
+
+    def _mirror_of(self, token: int):
+        held = self.mirrors.get(token)
+        return held() if held is not None else None
+
+    def _keep_mirror(self, token: int, st) -> None:
+        """`st` is where output buffer `token` comes back into, while anyone here still holds it."""
+        self.mirrors[token] = weakref.ref(st, lambda r, t=token, d=self.mirrors: d.get(t) is r and d.pop(t))
 
     def _open(self, a: dict, device):
         """A storage of the server's, mapped here through CUDA IPC, its reference-count file checked to be one the
@@ -860,6 +857,16 @@ class KernelServer:
                 raise CandidateError(f"{self.where}: the kernel server sent a global setting torch refuses ({e})") \
                     from None
         return {k: values[k] for k in keys}
+
+
+def _copy_back_mapped(groups: list) -> None:
+    """Each input mapped by CUDA IPC copied back whole from its staging buffer, whether or not the candidate wrote
+    into it: a comparison first (torch.equal) is a host sync per input, 9 a step at the h200 recipe; an unchanged
+    copy rewrites the same bytes, on our stream, after the server's work (an overlapped call's `done` event or a
+    pipelined call's flag, waited for on the device before this)."""
+    for g in groups:
+        if g["staging"] is not None:
+            wire.u8(torch, g["storage"], g["start"], g["n"]).copy_(g["staging"])
 
 
 def _build_outputs(descs: list, stores: list) -> list:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -179,8 +180,6 @@ class Pipeline:
     def host_wait(self, pending: dict, timeout: float = 600.0) -> None:
         """The pending call's number waited for on the host, read from the flag through a stream of its own (where
         our stream could not be made to wait for it on the device)."""
-        import time
-
         flag = self.flags[pending["device"].index]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -225,7 +224,7 @@ class Pipeline:
         they agree."""
         lay = pending["layout"]
         stores = h.get("out_storages") or []
-        if any(d.get("via") == "missed" for d in stores) or [_storage_shape(d) for d in stores] != lay["storages"]:
+        if [_storage_shape(d) for d in stores] != lay["storages"]:  # (a "missed" storage is never "staged")
             return "its outputs in storages unlike the call's before it"
         if h.get("out_tensors") != lay["tensors"]:
             return "outputs of other shapes, strides or dtypes than the call's before it"

@@ -20,7 +20,6 @@ from ..device import pick_device
 from ..gpu import write_servers
 from ..sandbox import isolation_of
 from ..sandbox import client as kernel_client
-from ..sandbox.client import server_pids, set_on_start
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
 
@@ -115,16 +114,15 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     vocab = model_vocab(recipe, corpus)
     # Each kernel server's pids as it starts: what the scheduler waits for after this arm before it lets an arm
     # have the GPU to itself (gpu.SERVERS_FILE)
-    set_on_start(lambda: write_servers(out, server_pids()))
+    kernel_client.set_on_start(lambda: write_servers(out, kernel_client.server_pids()))
     kernels = build_kernels(spec.kernels, {"vocab_size": vocab, "head_dim": recipe.model.head_size},
                             recipe.model.slot_dtypes)
-    for impl in kernels.impls.values():
-        if (remote := getattr(impl.fn, "sandbox", None)) is not None:
-            # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the
-            # candidate arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
-            remote.server.overlap = True
-            # and returning before the server answers, its reply read at the next call (sandbox/pipeline.py)
-            remote.server.pipeline = kernel_client.PIPELINE
+    for server in _servers(kernels).values():
+        # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the candidate
+        # arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
+        server.overlap = True
+        # and returning before the server answers, its reply read at the next call (sandbox/pipeline.py)
+        server.pipeline = kernel_client.PIPELINE
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
@@ -156,14 +154,20 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     if lockstep is not None:
         info["lockstep"] = lockstep.summary()
     # (with whether its calls were pipelined, or why not: sandbox/pipeline.py)
-    served = {slot: {**remote.server.timing.summary(),
-                     **{k: v for k, v in remote.server.platform.items() if k in ("pipeline", "overlap_error")}}
-              for slot, impl in kernels.impls.items() if (remote := getattr(impl.fn, "sandbox", None)) is not None}
+    served = {slot: {**server.timing.summary(),
+                     **{k: v for k, v in server.platform.items() if k in ("pipeline", "overlap_error")}}
+              for slot, server in _servers(kernels).items()}
     if served:  # where a candidate's calls spent their time in and around its kernel server (sandbox/client.py)
         info["sandbox"] = served
     write_json(out / "arm.json", info)
-    set_on_start(None)
+    kernel_client.set_on_start(None)
     return info
+
+
+def _servers(kernels) -> dict:
+    """slot -> the kernel server its candidate runs in, for each slot whose candidate runs in one."""
+    return {slot: remote.server for slot, impl in kernels.impls.items()
+            if (remote := getattr(impl.fn, "sandbox", None)) is not None}
 
 
 def _arm_batches(recipe, corpus, vocab: int) -> tuple:
@@ -204,9 +208,8 @@ def _fit(trainer, module, rec, recipe, batches, device: str, info: dict, kernels
     """Train; `info["status"]` says how it ended: OK, the recorder's stop (NAN, ...) or CRASH."""
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
-        for impl in kernels.impls.values():  # the last pipelined call's reply read and checked
-            if (remote := getattr(impl.fn, "sandbox", None)) is not None:
-                remote.server.settle()
+        for server in _servers(kernels).values():  # the last pipelined call's reply read and checked
+            server.settle()
         if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
             raise RuntimeError(f"training stopped at step {module.step_no} of {recipe.train.steps}")
         info["status"] = "OK"
