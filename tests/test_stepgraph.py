@@ -264,6 +264,21 @@ def test_a_capture_that_syncs_is_given_up_with_its_own_reason_and_the_callers_st
     assert torch.randn(8, device="cuda").isfinite().all()
 
 
+@pytest.mark.gpu
+def test_a_failed_capture_is_over_for_torchs_allocator_too():
+    """Had torch's caching allocator still listed the failed capture as underway, the next empty_cache() (an
+    evaluation graph's capture calls it first), or any memory pool's end at exit, would abort the process."""
+    from divergence.train.stepgraph import _cuda_capture
+
+    x = torch.ones(4, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+    with pytest.raises(Exception):
+        _cuda_capture(lambda x: (x * float(x.sum().item()),), (x,), torch.cuda.Stream(), pool=pool)
+    with pytest.raises(RuntimeError):  # the end was told already: a second one is refused
+        torch._C._cuda_endAllocateToPool(x.device.index, pool)
+    torch.cuda.empty_cache()
+
+
 def test_an_evaluation_in_pieces_is_the_whole_batchs_loss_to_float_rounding():
     """The head and the loss of an evaluation, eval_rows sequences at a time (every arm alike), against the whole
     batch at once; the rest of the model sees the whole batch either way."""

@@ -156,6 +156,8 @@ def _side_stream():
 def _cuda_capture(fn, inputs, stream, pool=None):
     graph = torch.cuda.CUDAGraph()
     stream = stream or torch.cuda.Stream()
+    # A pool of our own naming where the caller gave none (what torch would make), so a failed capture's can be ended
+    pool = pool or torch.cuda.graph_pool_handle()
     first_error = None
     # The outer stream context puts the caller's stream back however the capture ends: torch.cuda.graph's exit ends
     # the capture before it restores the stream, and when the capture failed that end raises too, which left the
@@ -174,9 +176,23 @@ def _cuda_capture(fn, inputs, stream, pool=None):
                     first_error = e
                     raise
         except Exception as e:  # the body's own error, not the "previous error during capture" that ending reports
+            _end_pool_capture(pool, stream)
             _end_generator_capture(stream)
             raise (first_error or e) from None
     return graph, outputs
+
+
+def _end_pool_capture(pool, stream):
+    """Tells torch's caching allocator that a failed capture into `pool` is over. When a capture's end fails, torch
+    never takes it off the allocator's list of captures underway, and the next `torch.cuda.empty_cache()` (an
+    evaluation graph's capture calls it first), or the destruction of any memory pool at exit, then aborts the
+    process on an internal assert, "captures_underway.empty()", with no Python error (seen on one H200, 2026-11-29,
+    torch 2.11: the GPU tests in one process, after the test of a capture that syncs). Where the capture did end,
+    torch refuses a second end: nothing to undo."""
+    try:
+        torch._C._cuda_endAllocateToPool(stream.device.index, pool)
+    except Exception:  # noqa: BLE001 - ended already, or a torch without the call
+        pass
 
 
 def _end_generator_capture(stream):
