@@ -79,9 +79,7 @@ _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 # Every staging pool, kept for the process's life: its buffers are shared with a server by CUDA IPC, and torch keeps
 # a shared block until the server has let go of it, so a block can be freed after its server, and its KernelServer,
 # are gone; it must then find its pool. An arm or a probe's worker keeps its one server for its life anyway; a
-# process that starts many (the GPU tests) keeps a pool of cached staging blocks per server it started. (The GPU tests
-# run in one process aborted without a message with servers started and closed beside other GPU work, one H200,
-# 2026-11-29; this is one mechanism that fits, not re-run on a GPU since.)
+# process that starts many (the GPU tests) keeps a pool of cached staging blocks per server it started.
 _POOLS: list = []
 _TIMED = [False]  # timed_calls(): servers started from this process load torch's compiler first
 
