@@ -266,8 +266,8 @@ def test_a_capture_that_syncs_is_given_up_with_its_own_reason_and_the_callers_st
 
 @pytest.mark.gpu
 def test_a_failed_capture_is_over_for_torchs_allocator_too():
-    """Had torch's caching allocator still listed the failed capture as underway, the next empty_cache() (an
-    evaluation graph's capture calls it first), or any memory pool's end at exit, would abort the process."""
+    """Had torch's caching allocator still listed the failed capture as underway, the next empty_cache(), or any
+    memory pool's end (a kernel server's staging pool, at exit), would abort the process."""
     from divergence.train.stepgraph import _cuda_capture
 
     x = torch.ones(4, device="cuda")

@@ -184,8 +184,8 @@ def _cuda_capture(fn, inputs, stream, pool=None):
 
 def _end_pool_capture(pool, stream):
     """Tells torch's caching allocator that a failed capture into `pool` is over. When a capture's end fails, torch
-    never takes it off the allocator's list of captures underway, and the next `torch.cuda.empty_cache()` (an
-    evaluation graph's capture calls it first), or the destruction of any memory pool at exit, then aborts the
+    never takes it off the allocator's list of captures underway, and the next `torch.cuda.empty_cache()`, or the
+    destruction of any memory pool (a kernel server's staging pool, at the process's exit), then aborts the
     process on an internal assert, "captures_underway.empty()", with no Python error (seen on one H200, 2026-11-29,
     torch 2.11: the GPU tests in one process, after the test of a capture that syncs). Where the capture did end,
     torch refuses a second end: nothing to undo."""
