@@ -538,8 +538,9 @@ class KernelServer:
         pipe, targets = self._pipe.request(sig, layout, device, self._pool_alloc)
         self._send(dict(header, pipe=pipe), bufs)
         t1 = time.perf_counter()
+        # ("build" is set once the outputs are built; a failed device wait below settles this call before that)
         pending = {"seq": self._pipe.seq, "device": device, "layout": layout, "synced": synced, "sig": sig,
-                   "mirrors": {}, "send": t1 - t0}
+                   "mirrors": {}, "send": t1 - t0, "build": 0.0}
         self._pipe.pending = pending
         self._pipe.watch(self.proc)
         try:
