@@ -241,3 +241,44 @@ def test_the_watch_thread_never_keeps_the_pipeline_or_its_gpu_memory_alive():
     proc.done.set()
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_an_arm_reads_its_servers_last_replies_before_its_last_flush_waits_on_the_device(tmp_path, sandbox_on,
+                                                                                          monkeypatch):
+    """The last step's flush waits for the device to reach it; a pipelined call's stream waits for its server's flag,
+    and a reply saying the server could not write it is read only when something settles the call. So after the
+    last call and before that flush, the arm reads its servers' last replies (on the CPU nothing is pipelined:
+    this is the order, which holds there too)."""
+    from divergence.recipe import load_recipe
+    from divergence.sandbox import SANDBOXED
+    from divergence.sandbox.client import KernelServer
+    from divergence.train.arm import ArmSpec, run_arm
+    from divergence.train.recorder import Recorder
+
+    order = []
+    call, settle, flush = KernelServer.call, KernelServer.settle, Recorder.flush
+
+    def calling(self, *a, **k):
+        out = call(self, *a, **k)  # (its own settle of the call before comes first, inside)
+        order.append("call")
+        return out
+
+    def settling(self):
+        order.append("settle")
+        return settle(self)
+
+    def flushing(self, final=False):
+        order.append(("flush", final))
+        return flush(self, final)
+
+    monkeypatch.setattr(KernelServer, "call", calling)
+    monkeypatch.setattr(KernelServer, "settle", settling)
+    monkeypatch.setattr(Recorder, "flush", flushing)
+    r = load_recipe("tiny", {"train": {"steps": 3, "val_every": 1000, "snapshot_every": 0}})
+    info = run_arm(r, ArmSpec("candidate", "sgd", {"fused_embed_rmsnorm": "zoo:embed_sort_segment"}), tmp_path / "arm",
+                   progress=False)
+    assert info["status"] == "OK", info.get("error")
+    assert info["isolation"]["fused_embed_rmsnorm"]["isolation"] == SANDBOXED
+    last_flush = order.index(("flush", True))
+    last_call = max(i for i, e in enumerate(order[:last_flush]) if e == "call")
+    assert "settle" in order[last_call:last_flush], order

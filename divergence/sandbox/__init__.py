@@ -43,6 +43,12 @@ def isolation_of(impl) -> dict:
     return {"isolation": SANDBOXED, "sandbox": dict(remote.server.platform)}
 
 
+def servers_of(kernels) -> dict:
+    """slot -> the kernel server its candidate runs in, for each slot of `kernels` whose candidate runs in one."""
+    return {slot: remote.server for slot, impl in kernels.impls.items()
+            if (remote := getattr(impl.fn, "sandbox", None)) is not None}
+
+
 def writes_confined(impl) -> bool:
     """Whether a candidate runs in a kernel server that Landlock keeps from writing outside its scratch folder (its
     arm's files out of its reach). `impl`: a loaded implementation, or what a load worker said of one

@@ -18,7 +18,7 @@ from ..errors import RecipeError, one_line
 from ..candidates.resolve import build_kernels
 from ..device import pick_device
 from ..gpu import write_servers
-from ..sandbox import isolation_of
+from ..sandbox import isolation_of, servers_of
 from ..sandbox import client as kernel_client
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
@@ -117,7 +117,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     kernel_client.set_on_start(lambda: write_servers(out, kernel_client.server_pids()))
     kernels = build_kernels(spec.kernels, {"vocab_size": vocab, "head_dim": recipe.model.head_size},
                             recipe.model.slot_dtypes)
-    for server in _servers(kernels).values():
+    for server in servers_of(kernels).values():
         # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the candidate
         # arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
         server.overlap = True
@@ -156,18 +156,12 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     # (with whether its calls were pipelined, or why not: sandbox/pipeline.py)
     served = {slot: {**server.timing.summary(),
                      **{k: v for k, v in server.platform.items() if k in ("pipeline", "overlap_error")}}
-              for slot, server in _servers(kernels).items()}
+              for slot, server in servers_of(kernels).items()}
     if served:  # where a candidate's calls spent their time in and around its kernel server (sandbox/client.py)
         info["sandbox"] = served
     write_json(out / "arm.json", info)
     kernel_client.set_on_start(None)
     return info
-
-
-def _servers(kernels) -> dict:
-    """slot -> the kernel server its candidate runs in, for each slot whose candidate runs in one."""
-    return {slot: remote.server for slot, impl in kernels.impls.items()
-            if (remote := getattr(impl.fn, "sandbox", None)) is not None}
 
 
 def _arm_batches(recipe, corpus, vocab: int) -> tuple:
@@ -208,7 +202,7 @@ def _fit(trainer, module, rec, recipe, batches, device: str, info: dict, kernels
     """Train; `info["status"]` says how it ended: OK, the recorder's stop (NAN, ...) or CRASH."""
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
-        for server in _servers(kernels).values():  # the last pipelined call's reply read and checked
+        for server in servers_of(kernels).values():  # the last pipelined call's reply read and checked
             server.settle()
         if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
             raise RuntimeError(f"training stopped at step {module.step_no} of {recipe.train.steps}")
