@@ -38,10 +38,45 @@ def test_a_layout_is_learnt_from_two_plain_calls_and_says_which_buffers_are_kept
     assert p.layout(sig) is None  # one call says nothing of which buffers the candidate keeps
     p.learn(sig, reply(tokens=(7, 9)))  # the first buffer returned again, the second fresh
     lay = p.layout(sig)
-    assert lay["kept"] == [True, False] and lay["tokens"] == [7, 9]
+    assert lay["next"] == [7, None] and lay["tokens"] == [7, 9]  # the kept buffer due again; the other fresh
     assert [d["via"] for d in lay["storages"]] == ["staged", "staged"]
     # A CPU tensor among the inputs: its bytes (and the candidate's writes into it) come back only in the reply
     assert signature({"t": 0}, {"D": []}, [{"s": 0}], [{"n": 256, "dev": "cpu", "via": "buf"}]) is None
+
+
+@pytest.mark.parametrize("tokens, due", [
+    ([3, 3], 3),  # one buffer kept: a CUDA graph's output
+    ([1, 2, 3, 4], None),  # a fresh buffer each call
+    ([1, 2, 1, 2], 1),  # two buffers in turn
+    ([5, 1, 2, 3, 1, 2, 3], 1),  # a ring of three
+    ([1, 2, 3, 4, 1, 2, 3, 4], 1),  # of four (RING)
+    ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5], None),  # of five: past RING, taken as fresh
+    ([1, 2, 1, 3], None),  # a ring broken
+    ([2, 1, 2], None),  # one period seen: not yet a ring
+    ([None, None], None),  # an input's place
+])
+def test_the_buffer_a_pipelined_call_will_return_is_predicted_from_the_tokens_before(tokens, due):
+    """In-process, a candidate that returns a buffer it returned before rewrites what its caller may still hold;
+    pipelined, its outputs must then come back into the storage of ours that buffer came back into last."""
+    from divergence.sandbox.pipeline import next_token
+
+    assert next_token(tokens) == due
+
+
+def test_a_layout_follows_a_candidate_that_turns_to_a_ring_of_buffers():
+    p = Pipeline()
+    p.on = True
+    p.learn("s", reply(tokens=(7,)))
+    p.learn("s", reply(tokens=(8,)))
+    lay = p.layout("s")
+    assert lay["next"] == [None]
+    for tok, due in [(7, None), (8, 7), (7, 8), (8, 7)]:  # after two periods of two, the one due comes back
+        p.observe(lay, 0, tok)
+        assert lay["next"] == [due] and lay["tokens"] == [tok]
+    assert len(lay["history"][0]) == 6
+    for tok in range(100, 120):
+        p.observe(lay, 0, tok)
+    assert lay["next"] == [None] and len(lay["history"][0]) == 8  # bounded: two periods of RING
 
 
 @pytest.mark.parametrize("odd", [

@@ -558,8 +558,9 @@ class KernelServer:
                 stores.append((g["storage"], g["start"]))
                 continue
             n = wire._int(d["n"])
-            if layout["kept"][j]:  # the buffer it keeps returning: the same storage of ours, as _mirror keeps it
-                mine = self._mirror(wire._int(layout["tokens"][j]), n, device)
+            due = layout["next"][j]
+            if due is not None:  # a buffer it returned before (pipeline.next_token): our storage of it, as _mirror
+                mine = self._mirror(wire._int(due), n, device)
             else:
                 mine = torch.UntypedStorage(n, device=device)
             pending["mirrors"][j] = mine
@@ -613,8 +614,8 @@ class KernelServer:
 
     def _learn_tokens(self, h: dict, pending: dict) -> None:
         """The buffers of the server's that the pipelined call returned: our storage each came into is the one
-        that buffer comes back into from now on (as _mirror keeps them); a layout whose buffers turned out kept
-        or fresh otherwise than it said is corrected."""
+        that buffer comes back into from now on (as _mirror keeps them); and the layout's next buffers predicted
+        again (Pipeline.observe)."""
         layout = pending["layout"]
         for j, d in enumerate(h.get("out_storages") or []):
             if d.get("via") == "input":
@@ -623,8 +624,7 @@ class KernelServer:
             mine = pending["mirrors"].get(j)
             if mine is not None and self._mirror_of(tok) is not mine:
                 self._keep_mirror(tok, mine)
-            layout["kept"][j] = tok == layout["tokens"][j]
-            layout["tokens"][j] = tok
+            self._pipe.observe(layout, j, tok)
 
     def _ipc_works(self, device) -> bool:
         """Whether CUDA IPC carries a tensor there and back (a server under Landlock cannot take every kind of

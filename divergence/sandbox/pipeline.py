@@ -5,7 +5,7 @@ but the caller still waits on the host for the server's reply: the outputs' hand
 That round trip (2.1-2.6 ms of the host's a call on one H200, 2026-11-28/29) was most of what a candidate arm's
 step paid over the reference arm's, and the device ran out of queued work meanwhile. A pipelined call takes the
 outputs' layout from the calls before it with the same inputs' layout (shapes, strides, dtypes, which storage
-each output lives in, whether the candidate keeps returning one buffer), sends, with the request, buffers of ours
+each output lives in, which buffer the candidate will return: pipeline.next_token), sends, with the request, buffers of ours
 the server copies the outputs into, and a word of our GPU memory the server's stream writes the call's number
 into after that copy (kernel_server.stream_memops: cuStreamWriteValue32, fenced); our stream waits on the device
 for that number (cuStreamWaitValue32) before it copies the outputs and the inputs back. Neither host waits. The
@@ -33,6 +33,9 @@ import torch
 from . import kernel_server as wire
 
 MAX_LAYOUTS = 8  # input layouts remembered (each with its output buffers, kept for the server's life)
+# The most output buffers a candidate may cycle through, one per call, for a pipelined call's outputs to come back
+# into the storage of ours that the same buffer's last output came back into, as they would in-process.
+RING = 4
 NOTE_KEYS = {"cls", "autograd", "hooks", "shadow", "layout"}  # what an output carried besides data
 
 
@@ -51,6 +54,22 @@ def _storage_shape(d: dict) -> dict:
         return {"via": "input", "input": d.get("input")}
     return {"via": "staged" if d.get("via") in ("ipc", "staged") else d.get("via"), "n": d.get("n"),
             "dev": d.get("dev")}
+
+
+def next_token(history: list):
+    """The buffer a call will return in one output storage's place, from the tokens its calls returned there
+    (oldest first; the server's token stays the same while the candidate holds that buffer): the last one where the
+    last two are the same (a buffer it keeps returning: a CUDA graph's output), the one a period back where the last
+    two periods of 2 to RING calls are alike (a ring of buffers it cycles through), else None (a fresh buffer each
+    call). A pipelined call's outputs go into the storage of ours the predicted buffer's last output came back into,
+    so that a candidate that rewrites a buffer it returned before rewrites what its caller holds, as in-process."""
+    if len(history) >= 2 and history[-1] is not None and history[-1] == history[-2]:
+        return history[-1]
+    for p in range(2, RING + 1):
+        last = history[-p:]
+        if len(history) >= 2 * p and None not in last and len(set(last)) == p and history[-2 * p:-p] == last:
+            return history[-p]
+    return None
 
 
 class Pipeline:
@@ -126,12 +145,23 @@ class Pipeline:
                  and not (isinstance(top, dict) and "cls" in top) and not h.get("hooks") and not h.get("changed"))
         if not plain or prev is None or any(prev[k] != now[k] for k in ("ret", "tensors", "storages")):
             return
-        self.layouts[sig] = dict(now, kept=[t is not None and t == p for t, p in zip(now["tokens"], prev["tokens"])])
+        history = [[p, t] for p, t in zip(prev["tokens"], now["tokens"])]
+        self.layouts[sig] = dict(now, history=history, next=[next_token(h) for h in history])
         self.layouts.move_to_end(sig)
         while len(self.layouts) > MAX_LAYOUTS:
             old, _ = self.layouts.popitem(last=False)
             for key in [k for k in self.buffers if k[0] == old]:
                 self.drop.append(self.buffers.pop(key)[0])
+
+    @staticmethod
+    def observe(layout: dict, j: int, token) -> None:
+        """A pipelined call's reply returned `token` in output storage `j`'s place: the layout's next buffer there
+        predicted again."""
+        history = layout["history"][j]
+        history.append(token)
+        del history[:-2 * RING]
+        layout["next"][j] = next_token(history)
+        layout["tokens"][j] = token
 
     # -- a call
 
