@@ -278,12 +278,13 @@ def test_the_watch_thread_never_keeps_the_pipeline_or_its_gpu_memory_alive():
     assert not thread.is_alive()
 
 
-def test_an_arm_reads_its_servers_last_replies_before_its_last_flush_waits_on_the_device(tmp_path, sandbox_on,
-                                                                                          monkeypatch):
-    """The last step's flush waits for the device to reach it; a pipelined call's stream waits for its server's flag,
-    and a reply saying the server could not write it is read only when something settles the call. So after the
-    last call and before that flush, the arm reads its servers' last replies (on the CPU nothing is pipelined:
-    this is the order, which holds there too)."""
+def test_an_arm_reads_its_servers_last_replies_before_each_wait_on_its_latest_steps(tmp_path, sandbox_on,
+                                                                                     monkeypatch):
+    """The last step's flush, and the final evaluation's, wait for the device to reach them; a pipelined call's
+    stream waits for its server's flag, and a reply saying the server could not write it is read only when
+    something settles the call. So between the last call and each such wait, the arm reads its servers' last
+    replies. An `rmsnorm` candidate: the final evaluation calls it too (on the CPU nothing is pipelined: this is
+    the order, which holds there as well)."""
     from divergence.recipe import load_recipe
     from divergence.sandbox import SANDBOXED
     from divergence.sandbox.client import KernelServer
@@ -291,7 +292,7 @@ def test_an_arm_reads_its_servers_last_replies_before_its_last_flush_waits_on_th
     from divergence.train.recorder import Recorder
 
     order = []
-    call, settle, flush = KernelServer.call, KernelServer.settle, Recorder.flush
+    call, settle, read, flush = KernelServer.call, KernelServer.settle, Recorder._read, Recorder.flush
 
     def calling(self, *a, **k):
         out = call(self, *a, **k)  # (its own settle of the call before comes first, inside)
@@ -302,18 +303,72 @@ def test_an_arm_reads_its_servers_last_replies_before_its_last_flush_waits_on_th
         order.append("settle")
         return settle(self)
 
+    def reading(self, keep):
+        order.append(("read", keep))
+        return read(self, keep)
+
     def flushing(self, final=False):
         order.append(("flush", final))
         return flush(self, final)
 
     monkeypatch.setattr(KernelServer, "call", calling)
     monkeypatch.setattr(KernelServer, "settle", settling)
+    monkeypatch.setattr(Recorder, "_read", reading)
     monkeypatch.setattr(Recorder, "flush", flushing)
     r = load_recipe("tiny", {"train": {"steps": 3, "val_every": 1000, "snapshot_every": 0}})
-    info = run_arm(r, ArmSpec("candidate", "sgd", {"fused_embed_rmsnorm": "zoo:embed_sort_segment"}), tmp_path / "arm",
+    info = run_arm(r, ArmSpec("candidate", "sgd", {"rmsnorm": "zoo:rmsnorm_eps_fixed"}), tmp_path / "arm",
                    progress=False)
     assert info["status"] == "OK", info.get("error")
-    assert info["isolation"]["fused_embed_rmsnorm"]["isolation"] == SANDBOXED
-    last_flush = order.index(("flush", True))
-    last_call = max(i for i, e in enumerate(order[:last_flush]) if e == "call")
-    assert "settle" in order[last_call:last_flush], order
+    assert info["isolation"]["rmsnorm"]["isolation"] == SANDBOXED
+    finals = [i for i, e in enumerate(order) if e == ("flush", True)]
+    assert any("call" in order[a:b] for a, b in zip(finals, finals[1:]))  # the final evaluation called it
+    for f in finals:  # no call between a final flush's start and its wait: the settle must come there
+        w = order.index(("read", 0), f)
+        assert "settle" in order[f:w], f"{f}: {order}"
+
+
+def test_the_last_pipelined_reply_read_at_the_end_of_an_arm_says_a_subclass_in_the_words_a_call_would():
+    """An arm reads its servers' last replies itself (no call follows them): a subclass returned by the last call is
+    said as slots/outputs.py says it of a call, and an unlike layout in the server's own words."""
+    from divergence.sandbox.client import LateOutputs, RemoteFunction
+    from divergence.slots import SLOTS
+
+    class Server:
+        def __init__(self, h):
+            self.h = h
+
+        def settle(self):
+            raise LateOutputs("fresh: a call returned a return value shaped unlike the call's before it", self.h)
+
+    sub = dict(reply(tokens=(7,)), out_tensors=[{"s": 0, "dtype": "bfloat16", "shape": [8, 8], "stride": [8, 1],
+                                                 "offset": 0, "rg": False, "cls": "Sneaky"}])
+    remote = RemoteFunction(Server(sub), SLOTS["swiglu"], "fresh", {})
+    with pytest.raises(OutputError, match="subclass"):
+        remote.settle()
+    remote = RemoteFunction(Server(reply(tokens=(7,))), SLOTS["swiglu"], "fresh", {})
+    with pytest.raises(LateOutputs, match="shaped unlike"):
+        remote.settle()
+
+
+def test_a_wrong_prediction_is_counted_and_leaves_no_two_buffers_of_theirs_in_one_storage_of_ours():
+    """A candidate that kept one buffer returns a fresh one: the pipelined call's outputs went into the kept
+    buffer's storage. Counted for arm.json; the kept buffer's next output then comes back into a storage of its own,
+    not into the one now holding the fresh buffer's."""
+    from divergence.sandbox.client import KernelServer
+
+    p = Pipeline()
+    p.on = True
+    p.learn("s", reply(tokens=(7,)))
+    p.learn("s", reply(tokens=(7,)))
+    lay = p.layout("s")
+    assert lay["next"] == [7]
+    server = KernelServer.__new__(KernelServer)  # its bookkeeping alone: no process
+    server.mirrors, server.platform, server._pipe = {}, {}, p
+    kept = torch.UntypedStorage(256)
+    server._keep_mirror(7, kept)
+    server._learn_tokens(reply(tokens=(7,)), {"layout": lay, "mirrors": {0: kept}, "due": [7]})
+    assert "pipeline_mispredicted" not in server.platform and server._mirror_of(7) is kept
+    server._learn_tokens(reply(tokens=(9,)), {"layout": lay, "mirrors": {0: kept}, "due": [7]})
+    assert server.platform["pipeline_mispredicted"] == 1
+    assert server._mirror_of(9) is kept and server._mirror_of(7) is None
+    assert lay["next"] == [None] and lay["tokens"] == [9]

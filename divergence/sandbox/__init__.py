@@ -43,9 +43,10 @@ def isolation_of(impl) -> dict:
     return {"isolation": SANDBOXED, "sandbox": dict(remote.server.platform)}
 
 
-def servers_of(kernels) -> dict:
-    """slot -> the kernel server its candidate runs in, for each slot of `kernels` whose candidate runs in one."""
-    return {slot: remote.server for slot, impl in kernels.impls.items()
+def remotes_of(kernels) -> dict:
+    """slot -> its candidate as called in its kernel server (client.RemoteFunction: `.server` is the server), for
+    each slot of `kernels` whose candidate runs in one."""
+    return {slot: remote for slot, impl in kernels.impls.items()
             if (remote := getattr(impl.fn, "sandbox", None)) is not None}
 
 

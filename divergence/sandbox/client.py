@@ -539,10 +539,12 @@ class KernelServer:
         self._send(dict(header, pipe=pipe), bufs)
         t1 = time.perf_counter()
         # ("build" is set once the outputs are built; a failed device wait below settles this call before that)
+        # `due`: the buffer predicted in each output storage's place (pipeline.next_token), checked at the reply
         pending = {"seq": self._pipe.seq, "device": device, "layout": layout, "synced": synced, "sig": sig,
-                   "mirrors": {}, "send": t1 - t0, "build": 0.0}
+                   "mirrors": {}, "send": t1 - t0, "build": 0.0, "due": list(layout["next"])}
         self._pipe.pending = pending
         self._pipe.watch(self.proc)
+        read = False  # whether this call's reply was read before its outputs were built
         try:
             self._pipe.wait(device)
         except RuntimeError as e:  # never seen after the self-test passed: this call waited for on the host
@@ -550,6 +552,7 @@ class KernelServer:
             self.platform["pipeline"] = str(e)
             self.settle()
             self._pipe.host_wait(pending)
+            read = True
         _copy_back_mapped(groups)
         stores = []
         for j, d in enumerate(layout["storages"]):
@@ -558,8 +561,9 @@ class KernelServer:
                 stores.append((g["storage"], g["start"]))
                 continue
             n = wire._int(d["n"])
-            due = layout["next"][j]
-            if due is not None:  # a buffer it returned before (pipeline.next_token): our storage of it, as _mirror
+            # The buffer its reply named, where it was read already; else the one predicted, if any
+            due = layout["tokens"][j] if read else pending["due"][j]
+            if due is not None:  # a buffer it returned before: our storage of it, as _mirror keeps them
                 mine = self._mirror(wire._int(due), n, device)
             else:
                 mine = torch.UntypedStorage(n, device=device)
@@ -622,6 +626,13 @@ class KernelServer:
                 continue
             tok = wire._int(d.get("token"))
             mine = pending["mirrors"].get(j)
+            due = pending["due"][j]
+            if due is not None and tok != due and mine is not None:
+                # Predicted wrong: its outputs went into the storage of another buffer of its (which training may
+                # still hold), counted in arm.json; that buffer's next output comes back into a storage of its own
+                self.platform["pipeline_mispredicted"] = self.platform.get("pipeline_mispredicted", 0) + 1
+                if self._mirror_of(due) is mine:
+                    self.mirrors.pop(due, None)
             if mine is not None and self._mirror_of(tok) is not mine:
                 self._keep_mirror(tok, mine)
             self._pipe.observe(layout, j, tok)
@@ -1037,22 +1048,35 @@ class RemoteFunction:
         try:
             ret, late, notes = self.server.call(args, kwargs, watch=watch)
         except LateOutputs as e:  # the call before this one (pipelined): a subclass, hooks, in their words
-            h = e.reply
-            try:  # stand-ins of the shapes it said (bounded: the server's word), for outputs.py's words
-                shapes = [[wire._int(n) for n in d.get("shape") or []] for d in h.get("out_tensors") or []]
-                if any(math.prod(sh) > STAND_IN_ELEMENTS for sh in shapes):
-                    raise ValueError("outputs too large to stand in for")
-                outs = [torch.zeros(sh, dtype=wire.dtypes(torch)[d["dtype"]])
-                        for sh, d in zip(shapes, h.get("out_tensors") or [])]
-                shown = wire.unpack(torch, h.get("ret"), outs, _Opaque.make)
-                notes = {"outputs": h.get("out_tensors") or [], "ret": h.get("ret"), "hooks": h.get("hooks") or []}
-            except (ValueError, KeyError, TypeError, IndexError, RuntimeError):
-                raise e from None
-            self._refuse(shown, notes, args)
-            raise
+            self._late(e, args)
         self.late = [self._name(w, i, args, kwargs, notes) for w, i in late]
         self._refuse(ret, notes, args)
         return ret
+
+    def settle(self) -> None:
+        """The last pipelined call's reply read and checked (KernelServer.settle), said as a call would say it."""
+        try:
+            self.server.settle()
+        except LateOutputs as e:
+            self._late(e, ())
+
+    def _late(self, e: LateOutputs, args) -> None:
+        """Raises a pipelined call's late outputs in slots/outputs.py's words where they apply (a subclass, a tensor
+        with a graph or hooks), else `e`. `args`: the arguments of the call that read the reply (their hooks are
+        reported against them), or () where no call did."""
+        h = e.reply
+        try:  # stand-ins of the shapes it said (bounded: the server's word), for outputs.py's words
+            shapes = [[wire._int(n) for n in d.get("shape") or []] for d in h.get("out_tensors") or []]
+            if any(math.prod(sh) > STAND_IN_ELEMENTS for sh in shapes):
+                raise ValueError("outputs too large to stand in for")
+            outs = [torch.zeros(sh, dtype=wire.dtypes(torch)[d["dtype"]])
+                    for sh, d in zip(shapes, h.get("out_tensors") or [])]
+            shown = wire.unpack(torch, h.get("ret"), outs, _Opaque.make)
+            notes = {"outputs": h.get("out_tensors") or [], "ret": h.get("ret"), "hooks": h.get("hooks") or []}
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError):
+            raise e from None
+        self._refuse(shown, notes, args)
+        raise e
 
     def _positions(self, args, kwargs) -> list:
         """The top-level argument position of each tensor in the order they were packed."""

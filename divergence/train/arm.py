@@ -18,7 +18,7 @@ from ..errors import RecipeError, one_line
 from ..candidates.resolve import build_kernels
 from ..device import pick_device
 from ..gpu import write_servers
-from ..sandbox import isolation_of, servers_of
+from ..sandbox import isolation_of, remotes_of
 from ..sandbox import client as kernel_client
 from .metrics import write_json
 from .recorder import ArmStopped, Recorder
@@ -117,12 +117,13 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     kernel_client.set_on_start(lambda: write_servers(out, kernel_client.server_pids()))
     kernels = build_kernels(spec.kernels, {"vocab_size": vocab, "head_dim": recipe.model.head_size},
                             recipe.model.slot_dtypes)
-    for server in servers_of(kernels).values():
+    remotes = remotes_of(kernels)
+    for remote in remotes.values():
         # Its calls ordered by CUDA events, not host syncs (sandbox/client.py): at the h200 recipe the candidate
         # arm's step was host-bound, its device busy 8.65 of 22.69 ms (one H100, 2026-11-27)
-        server.overlap = True
+        remote.server.overlap = True
         # and returning before the server answers, its reply read at the next call (sandbox/pipeline.py)
-        server.pipeline = kernel_client.PIPELINE
+        remote.server.pipeline = kernel_client.PIPELINE
     batches, val_batches, eval_x = _arm_batches(recipe, corpus, vocab)
     info = {"arm": spec.name, "optimizer": spec.optimizer, "kernels": kernels.describe(), "recipe": recipe.name,
             "seed": recipe.seed, "steps": recipe.train.steps, "tokens_per_step": recipe.tokens_per_step,
@@ -136,6 +137,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     write_json(out / "arm.json", info)
     rec = Recorder(out, recipe, val_batches, eval_x, flush_every=1 if device == "cpu" else 25, device=device)
     rec.watch_nonfinite(kernels)
+    rec.before_final_wait = lambda: _settle(remotes)
     lockstep = _lockstep(recipe, spec, watcher, kernels, corpus, rec)
     step_graph = step_graph_for(recipe, spec, kernels, device)
     module = ArmModule(recipe, spec.optimizer, kernels, vocab, rec, step_graph)
@@ -154,9 +156,9 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     if lockstep is not None:
         info["lockstep"] = lockstep.summary()
     # (with whether its calls were pipelined, or why not: sandbox/pipeline.py)
-    served = {slot: {**server.timing.summary(),
-                     **{k: v for k, v in server.platform.items() if k in ("pipeline", "overlap_error")}}
-              for slot, server in servers_of(kernels).items()}
+    said = ("pipeline", "overlap_error", "pipeline_mispredicted")
+    served = {slot: {**r.server.timing.summary(), **{k: v for k, v in r.server.platform.items() if k in said}}
+              for slot, r in remotes.items()}
     if served:  # where a candidate's calls spent their time in and around its kernel server (sandbox/client.py)
         info["sandbox"] = served
     write_json(out / "arm.json", info)
@@ -198,12 +200,17 @@ def _trainer(recipe, device: str, progress: Optional[bool], callbacks=()):
     )
 
 
+def _settle(remotes: dict) -> None:
+    """Each candidate's last pipelined call's reply read and checked (sandbox/client.RemoteFunction.settle)."""
+    for remote in remotes.values():
+        remote.settle()
+
+
 def _fit(trainer, module, rec, recipe, batches, device: str, info: dict, kernels) -> None:
     """Train; `info["status"]` says how it ended: OK, the recorder's stop (NAN, ...) or CRASH."""
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
-        for server in servers_of(kernels).values():  # the last pipelined call's reply read and checked
-            server.settle()
+        _settle(remotes_of(kernels))
         if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
             raise RuntimeError(f"training stopped at step {module.step_no} of {recipe.train.steps}")
         info["status"] = "OK"

@@ -11,7 +11,6 @@ from ..slots import bitwise
 from ..errors import OutputError
 from ..model import PARAM_GROUPS, build_model
 from ..model.transformer import uses_cudagraphs
-from ..sandbox import servers_of
 from ..slots.outputs import TENSOR_HOOKS, Flags
 from .norms import UpdateRatio, group_norms
 from .optim import build_optimizer, lr_lambda
@@ -57,7 +56,6 @@ class ArmModule(pl.LightningModule):
         self.params = None  # the parameters in order, listed once (at the first step, on the device)
         runs_candidate = any(i.role == "candidate" for i in kernels.impls.values())
         self.untouched = Untouched(kernels) if runs_candidate else None
-        self.servers = list(servers_of(kernels).values())  # the kernel servers its candidates run in
 
     def configure_optimizers(self):
         cfg = self.recipe.optimizers[self.opt_name]
@@ -85,14 +83,6 @@ class ArmModule(pl.LightningModule):
         opt.step()
         sched.step()
         ratio = self.update_ratio()
-        if step + 1 == self.recipe.train.steps:
-            # The last step's flush waits for the device to reach it (the recorder reads earlier ones a flush late).
-            # A pipelined call leaves our stream waiting for its server's flag: a reply that says the server could
-            # not write it (an error before the call, or a context a faulting kernel broke at the call before) is
-            # read here, the flag written by us and the error raised, rather than waited for until the arm's step
-            # timeout.
-            for server in self.servers:
-                server.settle()
         # A copy under cudagraph trees: the loss lives in the graph's memory, rewritten by the next replay, and the
         # recorder holds it until its next flush (a step graph's outputs are copies already).
         self.sink.after_step(self, step, loss.detach().clone() if self.cudagraphs else loss.detach(), gnorm, ratio,

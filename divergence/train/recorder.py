@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -71,6 +72,11 @@ class Recorder:
         self.sync_points = []  # (steps done, clock mark, intervals aside so far) per flush
         self.aside = []  # (mark, mark): evaluations, snapshots and file copies (and, on the host clock, writes)
         self.finished = False
+        # Called before each flush that waits for the device to reach the steps just taken (the last step's, and
+        # the final evaluation's): the arm reads its kernel servers' last replies there (train/arm.py). A pipelined
+        # call leaves our stream waiting for its server's flag; a reply saying the server could not write it is
+        # then read, the flag written by us and the error raised, rather than waited for until the step timeout.
+        self.before_final_wait: Optional[Callable[[], None]] = None
 
     def watch_nonfinite(self, kernels):
         """Flag non-finite outputs of non-reference implementations (device-side flags, no sync per call)."""
@@ -130,6 +136,8 @@ class Recorder:
         """Starts this flush's copies and reads those of earlier flushes but the last `lag` (all of them when
         `final`): their rows to metrics.jsonl, their files to disk. Raises the first ArmStopped a row shows, after
         every flush still in flight is read too (no computed row is lost)."""
+        if final and self.before_final_wait is not None:
+            self.before_final_wait()
         if self.pending or self.pending_files:
             self.in_flight.append(self._stage())
         stop = self._read(0 if final else self.lag)

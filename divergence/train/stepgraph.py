@@ -188,10 +188,16 @@ def _end_pool_capture(pool, stream):
     destruction of any memory pool (a kernel server's staging pool, at the process's exit), then aborts the
     process on an internal assert, "captures_underway.empty()", with no Python error (seen on one H200, 2026-11-29,
     torch 2.11: the GPU tests in one process, after the test of a capture that syncs). Where the capture did end,
-    torch refuses a second end: nothing to undo."""
+    torch refuses a second end: nothing to undo. Where it did not, the pool's share the capture took is given back
+    too, which a graph whose capture never ended never does: else what the capture allocated stays reserved in the
+    pool for the process's life."""
     try:
         torch._C._cuda_endAllocateToPool(stream.device.index, pool)
     except Exception:  # noqa: BLE001 - ended already, or a torch without the call
+        return
+    try:
+        torch._C._cuda_releasePool(stream.device.index, pool)
+    except Exception:  # noqa: BLE001 - best effort: the pool's blocks stay reserved, as before
         pass
 
 
