@@ -577,8 +577,9 @@ class KernelServer:
     def settle(self) -> None:
         """Reads the reply of the call pipelined last, if any, and checks it against what that call took: the
         candidate's exception re-raised, outputs unlike the layout they were taken under an error (LateOutputs,
-        which RemoteFunction puts in slots/outputs.py's words where they apply). An arm calls it after its last
-        step; every call, load and profile calls it first."""
+        which RemoteFunction puts in slots/outputs.py's words where they apply). An arm calls it, through
+        RemoteFunction.settle, before each flush that waits on its latest calls and after training; every call,
+        load and profile calls it first."""
         with self.lock:
             pending = self._pipe.pending
             if pending is None:

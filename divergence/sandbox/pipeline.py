@@ -1,18 +1,18 @@
 """Pipelined calls: an arm's call to its kernel server returns before the server has answered.
 
 An overlapped call (client.KernelServer.overlap) already orders the two processes' GPU work by interprocess events,
-but the caller still waits on the host for the server's reply: the outputs' handles, what the candidate changed.
-That round trip (2.1-2.6 ms of the host's a call on one H200, 2026-11-28/29) was most of what a candidate arm's
-step paid over the reference arm's, and the device ran out of queued work meanwhile. A pipelined call takes the
-outputs' layout from the calls before it with the same inputs' layout (shapes, strides, dtypes, which storage
-each output lives in, which buffer the candidate will return: pipeline.next_token), sends, with the request, buffers of ours
-the server copies the outputs into, and a word of our GPU memory the server's stream writes the call's number
-into after that copy (kernel_server.stream_memops: cuStreamWriteValue32, fenced); our stream waits on the device
-for that number (cuStreamWaitValue32) before it copies the outputs and the inputs back. Neither host waits. The
-reply is read at the next call (or at `settle`, which an arm calls after its last step) and checked against what
-was taken: the candidate's exception, outputs laid out otherwise, a subclass or a hook, are then that call's
-error, one call late, and the arm stops on it (its outputs had already gone on to training); what it changed of
-torch's global state is set here then, inside the next call, where the lockstep check's watch sees it.
+but the caller still waits on the host for the server's reply: the outputs' handles, what the candidate changed. That
+round trip (2.1-2.6 ms of the host's a call on one H200, 2026-11-28/29) was most of what a candidate arm's step paid
+over the reference arm's, and the device ran out of queued work meanwhile. A pipelined call takes the outputs' layout
+from the calls before it with the same inputs' layout (shapes, strides, dtypes, which storage each output lives in,
+which buffer the candidate will return: pipeline.next_token), sends, with the request, buffers of ours the server
+copies the outputs into, and a word of our GPU memory the server's stream writes the call's number into after that
+copy (kernel_server.stream_memops: cuStreamWriteValue32, fenced); our stream waits on the device for that number
+(cuStreamWaitValue32) before it copies the outputs and the inputs back. Neither host waits. The reply is read at the
+next call (or at `settle`, which an arm calls before each wait of its on the device that reaches its latest calls)
+and checked against what was taken: the candidate's exception, outputs laid out otherwise, a subclass or a hook, are
+then that call's error, one call late, and the arm stops on it (its outputs had already gone on to training); what it
+changed of torch's global state is set here then, inside the next call, where the lockstep check's watch sees it.
 
 A call is pipelined only where every tensor it hands over is a GPU tensor mapped by CUDA IPC, the calls before it
 with that layout returned plain tensors on storages of the server's or in its inputs, the driver has the stream
