@@ -158,12 +158,15 @@ class CallTiming:
         self.all = dict.fromkeys(self.KEYS, 0.0)
         self.steady = dict.fromkeys(self.KEYS, 0.0)
 
-    def add(self, send: float, wait: float, receive: float, run: float, overlapped: bool = False,
-            request: float = 0.0, pack: float = 0.0, pipelined: bool = False) -> None:
+    def add(self, send: float, wait: float, receive: float, reply: dict, overlapped: bool = False,
+            pipelined: bool = False) -> None:
+        """One call: our own `send`, `wait` and `receive` seconds, and the server's `reply` (its run_s, request_s
+        and pack_s: its word, bounded by what we saw)."""
         self.calls += 1
         self.overlapped += overlapped
         self.pipelined += pipelined
-        # the server's word, bounded by what we saw
+        run, request, pack = (v if type(v) is float else 0.0 for v in (reply.get("run_s"), reply.get("request_s"),
+                                                                        reply.get("pack_s")))
         got = {"send": send, "wait": wait, "receive": receive, "run": max(0.0, min(run, wait)),
                "request": max(0.0, min(request, wait)), "pack": max(0.0, min(pack, wait))}
         for k, v in got.items():
@@ -354,8 +357,7 @@ class KernelServer:
     def close(self):
         if not self.closed:
             self.closed = True
-            pending, self._pipe.pending = self._pipe.pending, None
-            self._pipe.unblock(pending)  # nothing of ours waits on a server that goes
+            self._pipe.abandon()  # nothing of ours waits on a server that goes
             self._pipe.release()
             self._release_held(wait_s=5.0)
             self._finalizer()
@@ -397,8 +399,7 @@ class KernelServer:
         last words on to our log); then this process ends the same way, or ServerDied."""
         how = None
         self._held.clear()  # nothing of a dead server's is waited for (our copies from it end as its memory goes)
-        pending, self._pipe.pending = self._pipe.pending, None
-        self._pipe.unblock(pending)
+        self._pipe.abandon()
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             line = self._ctl_line(deadline - time.monotonic())
@@ -515,8 +516,6 @@ class KernelServer:
                 return self.call(args, kwargs, watch, echo)
             if not h.get("ok"):
                 raise _exception(h.get("error") or {}, self.where)
-            run, req, pack = (v if type(v) is float else 0.0 for v in (h.get("run_s"), h.get("request_s"),
-                                                                        h.get("pack_s")))
             self.calls_made += 1
             if ready is not None:
                 self._pipe.learn(sig, h)
@@ -525,7 +524,7 @@ class KernelServer:
             # every call cost more, at every step of an arm)
             self._state_synced = globalstate.snapshot()
             if not echo:  # our own check of CUDA IPC is not the candidate's call
-                self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, run, ready is not None, req, pack)
+                self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, h, overlapped=ready is not None)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
             return ret, late, notes
@@ -562,7 +561,7 @@ class KernelServer:
                 continue
             n = wire._int(d["n"])
             # The buffer its reply named, where it was read already; else the one predicted, if any
-            due = layout["tokens"][j] if read else pending["due"][j]
+            due = layout["history"][j][-1] if read else pending["due"][j]
             if due is not None:  # a buffer it returned before: our storage of it, as _mirror keeps them
                 mine = self._mirror(wire._int(due), n, device)
             else:
@@ -578,8 +577,8 @@ class KernelServer:
         """Reads the reply of the call pipelined last, if any, and checks it against what that call took: the
         candidate's exception re-raised, outputs unlike the layout they were taken under an error (LateOutputs,
         which RemoteFunction puts in slots/outputs.py's words where they apply). An arm calls it, through
-        RemoteFunction.settle, before each flush that waits on its latest calls and after training; every call,
-        load and profile calls it first."""
+        RemoteFunction.settle, before each flush that waits on its latest calls; every call, load and profile
+        calls it first."""
         with self.lock:
             pending = self._pipe.pending
             if pending is None:
@@ -612,10 +611,8 @@ class KernelServer:
             # What the server ended that call with: the next call sends ours only where it differs from this
             self._state_synced = dict(pending["synced"], **state)
             self.calls_made += 1
-            run, req, pack = (v if type(v) is float else 0.0 for v in (h.get("run_s"), h.get("request_s"),
-                                                                        h.get("pack_s")))
-            self.timing.add(pending["send"], t1 - t0, pending["build"] + time.perf_counter() - t1, run, True, req,
-                            pack, pipelined=True)
+            self.timing.add(pending["send"], t1 - t0, pending["build"] + time.perf_counter() - t1, h,
+                            overlapped=True, pipelined=True)
 
     def _learn_tokens(self, h: dict, pending: dict) -> None:
         """The buffers of the server's that the pipelined call returned: our storage each came into is the one

@@ -145,8 +145,10 @@ class Pipeline:
                  and not (isinstance(top, dict) and "cls" in top) and not h.get("hooks") and not h.get("changed"))
         if not plain or prev is None or any(prev[k] != now[k] for k in ("ret", "tensors", "storages")):
             return
+        # Per output storage, the tokens its calls returned there (the last one last) and the buffer due next
         history = [[p, t] for p, t in zip(prev["tokens"], now["tokens"])]
-        self.layouts[sig] = dict(now, history=history, next=[next_token(h) for h in history])
+        self.layouts[sig] = {"ret": top, "tensors": now["tensors"], "storages": now["storages"], "history": history,
+                             "next": [next_token(h) for h in history]}
         self.layouts.move_to_end(sig)
         while len(self.layouts) > MAX_LAYOUTS:
             old, _ = self.layouts.popitem(last=False)
@@ -161,7 +163,6 @@ class Pipeline:
         history.append(token)
         del history[:-2 * RING]
         layout["next"][j] = next_token(history)
-        layout["tokens"][j] = token
 
     # -- a call
 
@@ -193,6 +194,11 @@ class Pipeline:
         rc = self.memops[0](torch.cuda.current_stream(device).cuda_stream, flag.data_ptr(), self.seq, wire.WAIT_GEQ)
         if rc:
             raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {rc})")
+
+    def abandon(self) -> None:
+        """The pending call, if any, given up: our stream no longer waits for it (its server is gone or going)."""
+        pending, self.pending = self.pending, None
+        self.unblock(pending)
 
     def unblock(self, pending: Optional[dict]) -> None:
         """Writes a pending call's number ourselves, from a stream of its own: our stream no longer waits for a

@@ -150,7 +150,7 @@ def run_arm(recipe, spec: ArmSpec, out_dir, corpus=None, progress: Optional[bool
     if boot_s is not None:
         rec.t["boot_s"] = boot_s  # before run_arm: the arm process's start and imports
     rec.t["fit_called"] = time.perf_counter()
-    _fit(trainer, module, rec, recipe, batches, device, info, kernels)
+    _fit(trainer, module, rec, recipe, batches, device, info)
     info["wall_s"] = time.time() - t0
     _add_rates(info, recipe, module, rec, device)
     if lockstep is not None:
@@ -206,11 +206,10 @@ def _settle(remotes: dict) -> None:
         remote.settle()
 
 
-def _fit(trainer, module, rec, recipe, batches, device: str, info: dict, kernels) -> None:
+def _fit(trainer, module, rec, recipe, batches, device: str, info: dict) -> None:
     """Train; `info["status"]` says how it ended: OK, the recorder's stop (NAN, ...) or CRASH."""
     try:
         trainer.fit(module, train_dataloaders=_loader(batches, recipe.train.steps, device == "cuda"))
-        _settle(remotes_of(kernels))
         if not rec.finished:  # the recorder finishes in the module's on_train_end, at the last step
             raise RuntimeError(f"training stopped at step {module.step_no} of {recipe.train.steps}")
         info["status"] = "OK"
