@@ -609,8 +609,8 @@ def test_compiling_runs_keep_inductors_cache_beside_the_arms_cache(tmp_path, mon
 def test_a_pre_started_arm_sets_up_while_another_trains_and_trains_the_same(tmp_path, monkeypatch, tiny):
     """On one GPU the next arm of the queue is started ahead of its turn and waits, set up, until the scheduler
     lets it train (runner.PREFETCH): its set-up overlaps the running arm's training. Here on the CPU (the switch
-    forced): each later arm waited (`held_s`), set up, for its turn, and every arm's metrics equal those of the same
-    arms run without pre-starting."""
+    forced): each later arm was pre-started and waited (`held_s`), set up, for its turn, and every arm's metrics
+    equal those of the same arms run without pre-starting."""
     from divergence.ab import runner
     from divergence.train.arm import ArmSpec
     from divergence.train.metrics import read_metrics
@@ -625,7 +625,10 @@ def test_a_pre_started_arm_sets_up_while_another_trains_and_trains_the_same(tmp_
     plain_jobs, plain = run("plain", False)
     assert [res[j.key]["status"] for j in jobs] == ["OK"] * 3
     held = [res[j.key]["timings"].get("held_s") for j in jobs]
-    assert held[0] is None and all(h > 0.2 for h in held[1:]), held  # the first started at once; the others waited
+    # The first started at once; each other one was pre-started and waited, set up, for its turn. How long it
+    # waited is not asserted: on a loaded machine an arm's set-up can take as long as the arm before it trains
+    # (CI, two test workers on two cores: the third arm waited 0.05 s).
+    assert held[0] is None and all(h is not None and h >= 0 for h in held[1:]), held
     assert all(plain[j.key]["timings"].get("held_s") is None for j in plain_jobs)
     for a, b in zip(jobs, plain_jobs):
         assert read_metrics(a.out_dir / "metrics.jsonl") == read_metrics(b.out_dir / "metrics.jsonl")
