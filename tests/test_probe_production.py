@@ -142,40 +142,87 @@ def test_at_declared_shapes_both_run_there_and_count(tmp_path):
     assert big["families"][0]["shape"].startswith("batch=8 seq=16384 hidden=128")
 
 
-def test_only_the_judged_calls_of_the_long_run_wait_for_the_device(monkeypatch):
-    """Unjudged calls go unsynchronised (a kernel server's ordered by CUDA events): synchronous, 3,000 calls beside a
-    soak's training arms took most of the probe's time budget on a GPU."""
-    from divergence.detect.probe.call import _unsynchronised
+def test_the_long_run_makes_every_call_once_the_unjudged_ones_as_repeated_calls_on_the_other_draw(monkeypatch):
+    """Between two judged calls the unjudged ones go as one call repeated (a kernel server makes the repeats itself:
+    one round trip and one sync instead of one each), on the draw the judged call does not get; every call number
+    from 1 to CALLS is made once, in order."""
+    from divergence.detect.probe.call import EarlierCall
 
     fam = probe_inputs.long_run(probe_inputs.families(SLOT, "cpu")[0][0])
-    synced = []
+    made = []  # (first call number, draw, calls made)
 
     class Prep:
         def get(self, contract, fam, seed, device, again=False):
-            case = type("Case", (), {"inputs": (torch.zeros(2),), "rows": None})()
+            case = type("Case", (), {"inputs": (torch.full((2,), float(again)),), "rows": None})()
             return case, None, None
 
-    def call(inputs, sync=True):
-        synced.append(sync)
+    def call(inputs, repeat=0):
+        n = sum(m[2] for m in made)
+        made.append((n + 1, int(inputs[0][0]), repeat + 1))
         return (inputs[0],)
 
     monkeypatch.setattr(longrun.checks, "accuracy", lambda *a: ([], None))
     assert longrun.long_run(SLOTS[SLOT], fam, SEED, "cpu", False, Prep(), call, None) == []
-    assert [k + 1 for k, s in enumerate(synced) if s] == [k for k in range(1, fam.calls + 1)
-                                                           if longrun.checked(k, fam.calls)]
-    assert synced.count(False) == fam.calls - 63
+    judged = [k for k in range(1, fam.calls + 1) if longrun.checked(k, fam.calls)]
+    assert sum(m[2] for m in made) == fam.calls
+    assert [m[0] for m in made if m[2] == 1 and m[0] in judged] == judged
+    for first, draw, n in made:
+        last = first + n - 1
+        if last in judged:
+            assert n == 1 and draw == last % 2, (first, draw, n)  # a judged call alone, on draw k % 2
+        else:
+            assert last + 1 in judged and draw == (last + 1) % 2 ^ 1, (first, draw, n)  # the other draw
+    assert len(made) < 2 * len(judged)  # 125 calls of the candidate's function stand for 3,000
 
-    class Server:
-        overlap = False
+    def failing(at):  # which call raised, as the long run words it
+        def call(inputs, repeat=0):
+            n = sum(m for m in count)
+            if n + repeat + 1 >= at:
+                if n + 1 + repeat == at:
+                    raise ValueError("its own")
+                raise EarlierCall(at - n - 1, ValueError("an earlier one"))
+            count.append(repeat + 1)
+            return (inputs[0],)
+        count = []
+        (f,) = longrun.long_run(SLOTS[SLOT], fam, SEED, "cpu", False, Prep(), call,
+                                lambda e, when: {"detail": when + str(e)})
+        return f["detail"]
 
-    remote = type("Remote", (), {"server": Server()})()
-    watched = type("Watch", (), {"fn": type("Fn", (), {"sandbox": remote})()})()
-    seen = []
-    with _unsynchronised(watched):
-        seen.append(remote.server.overlap)
-    assert seen == [True] and remote.server.overlap is False
-    with _unsynchronised(watched, on=False):  # a judged call: left synchronous
-        seen.append(remote.server.overlap)
-    assert seen == [True, False]
-    with _unsynchronised(lambda: None):  # in-process: nothing to switch
-        pass
+    assert failing(58).startswith("call 58 of 3000 (right at call 50, checked every 50): an earlier one")
+    assert failing(99).startswith("call 99 of 3000 (right at call 50, checked every 50): its own")
+    assert failing(100).startswith("call 100 of 3000 (right at call 50")
+    assert failing(1).startswith("call 1 of 3000: ")
+
+
+@pytest.mark.parametrize("sandbox", ["on", "off"])
+def test_the_long_runs_repeated_calls_each_get_fresh_inputs_and_a_failure_is_named_by_its_number(tmp_path,
+                                                                                                   monkeypatch,
+                                                                                                   sandbox):
+    """In a kernel server and in-process alike: each of the repeated calls gets copies of the inputs as they were
+    (a candidate that marks its input finds no mark), and one that raises is named by its call number."""
+    from divergence.sandbox import OPT_OUT
+
+    monkeypatch.setenv(OPT_OUT, sandbox)
+    marks = candidate(tmp_path, """
+        import torch
+
+        from divergence.slots.fused_embed_rmsnorm import reference
+
+        _calls = [0]
+
+
+        def run(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, vocab_size):
+            _calls[0] += 1
+            if rstd.flatten()[0].item() == -7.0:
+                raise RuntimeError(f"call {_calls[0]} got an input an earlier call wrote")
+            if _calls[0] == 1234:
+                raise RuntimeError("raised at its 1234th call")
+            out = reference(grad_output, input_ids, hidden_states_fp32, rstd, norm_weight, vocab_size=vocab_size)
+            rstd.flatten()[0] = -7.0
+            return out
+        """)
+    res = run_probe(SLOT, marks, tmp_path / "p", seed=SEED, only=["long-run"], prepared=PREPARED)
+    (f,) = res["findings"]
+    assert f["check"] == "exception", f
+    assert f["detail"].startswith("call 1234 of 3000 (right at call 1200, checked every 50): "), f["detail"]
+    assert "raised at its 1234th call" in f["detail"], f["detail"]

@@ -460,9 +460,13 @@ class KernelServer:
 
     # -- calling
 
-    def call(self, args: tuple, kwargs: dict, watch: float = 0.0, echo: bool = False) -> tuple:
+    def call(self, args: tuple, kwargs: dict, watch: float = 0.0, echo: bool = False,
+             repeat: int = 0) -> tuple:
         """(the candidate's return value rebuilt here, [(where, index)] of what changed `watch` seconds after it
-        returned, the server's notes on what it returned) for one call; the candidate's exception re-raised."""
+        returned, the server's notes on what it returned) for one call; the candidate's exception re-raised.
+        `repeat`: calls the server makes first, each on fresh copies of these inputs, their outputs not sent
+        (kernel_server.Server.repeat_calls); an exception then carries `repeats_done`, the calls that returned
+        before it (`repeat` where this call's own raised)."""
         with self.lock:
             if self.closed:
                 raise CandidateError(f"{self.where}: the kernel server is closed")
@@ -475,7 +479,7 @@ class KernelServer:
                 self.cuda = "ipc" if self._ipc_works(next(t for t in tensors if t.is_cuda).device) else "copy"
                 self.platform["cuda_transport"] = self.cuda  # (the server's "cuda" says how it initialised CUDA)
             self._release_held()
-            overlap = (self.overlap and self.cuda == "ipc" and not watch and not echo
+            overlap = (self.overlap and self.cuda == "ipc" and not watch and not echo and not repeat
                        and self.calls_made >= SYNC_CALLS)
             groups, storages, descs, bufs, drop, ready = self._pack_inputs(tensors, overlap)
             sig = signature(a, k, descs, storages) if ready is not None and self.pipeline else None
@@ -483,6 +487,8 @@ class KernelServer:
             self._state_synced = None  # until this call has ended well
             header = {"op": "call", "args": a, "kwargs": k, "tensors": descs, "storages": storages, "drop": drop,
                       "watch": watch, "echo": echo, "cuda_copy": self.cuda == "copy", "ready": ready, **state}
+            if repeat:
+                header["repeat"] = int(repeat)
             device = torch.device("cuda", ready[0]) if sig is not None else None
             layout = self._pipe.layout(sig) if sig is not None and self._pipe.ready(device, self._pool_alloc) \
                 else None
@@ -515,15 +521,19 @@ class KernelServer:
                 self.platform["overlap_error"] = f"{wire.safe_name(err.get('type'))}: {err.get('msg', '')}"[:300]
                 return self.call(args, kwargs, watch, echo)
             if not h.get("ok"):
-                raise _exception(h.get("error") or {}, self.where)
-            self.calls_made += 1
+                e = _exception(h.get("error") or {}, self.where)
+                if repeat and "repeats_done" in h:
+                    e.repeats_done = wire._int(h["repeats_done"])
+                raise e
+            self.calls_made += 1 + (wire._int(h.get("repeats_done", 0)) if repeat else 0)
             if ready is not None:
                 self._pipe.learn(sig, h)
             # Both sides' global state is now the same (theirs changes came back and were set here): the next call
             # sends its own only if ours has changed meanwhile (a snapshot is ~13 us; sending and setting it there
             # every call cost more, at every step of an arm)
             self._state_synced = globalstate.snapshot()
-            if not echo:  # our own check of CUDA IPC is not the candidate's call
+            if not echo and not repeat:  # (our own check of CUDA IPC is not the candidate's call; a repeated
+                # call is many calls)
                 self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, h, overlapped=ready is not None)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
@@ -1040,11 +1050,15 @@ class RemoteFunction:
         self.__doc__ = doc if isinstance(doc, str) else None
         self.__name__ = self.__qualname__ = f"{contract.name}:{name}"
         self.watch_next, self.late = 0.0, []
+        # Calls the server makes before the next one, on copies of its inputs as they come (the probe's long run:
+        # KernelServer.call's `repeat`); an exception carries `repeats_done`
+        self.repeat_next = 0
 
     def __call__(self, *args, **kwargs):
         watch, self.watch_next = self.watch_next, 0.0
+        repeat, self.repeat_next = self.repeat_next, 0
         try:
-            ret, late, notes = self.server.call(args, kwargs, watch=watch)
+            ret, late, notes = self.server.call(args, kwargs, watch=watch, repeat=repeat)
         except LateOutputs as e:  # the call before this one (pipelined): a subclass, hooks, in their words
             self._late(e, args)
         self.late = [self._name(w, i, args, kwargs, notes) for w, i in late]

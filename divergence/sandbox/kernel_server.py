@@ -980,6 +980,7 @@ class Server:
                 args_t.append(t)
             args = unpack(torch, msg["args"], args_t)
             kwargs = unpack(torch, msg["kwargs"], args_t)
+            repeat = _int(msg.get("repeat") or 0)  # calls to make first, on copies of these inputs (repeat_calls)
             self.apply_state(msg, want)
         except Exception as e:  # noqa: BLE001 - a request this side cannot read: said, not fatal
             return self.reply({"ok": False, "stage": "request", "error": error_info(e)})
@@ -1001,13 +1002,19 @@ class Server:
         # Where the trusted side sent no state (its own unchanged since the last call ended), the state that call
         # left here is the base: a change made between calls (a thread of the candidate's) goes back with this one's
         before = self.after_last if want is None and self.after_last is not None else self.state["snapshot"]()
+        t_repeat = time.perf_counter()
+        done, failed = self.repeat_calls(fn, args, kwargs, repeat) if repeat else (0, None)
         t_run = time.perf_counter()
-        request_s = t_run - t_request
+        request_s = t_repeat - t_request
         try:
+            if failed is not None:
+                raise failed
             ret = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
             reply, bufs = {"ok": False, "stage": "call", "error": error_info(e)}, []
-            del e
+            if repeat:
+                reply["repeats_done"] = done
+            del e, failed
             try:
                 reply["state"] = self.state_changes(before)
                 self.sync()
@@ -1050,12 +1057,28 @@ class Server:
                                "state": reply.get("state") or {}, "changed": []})
         del ret, out_tensors
         reply["request_s"], reply["pack_s"] = request_s, time.perf_counter() - t_run - reply["run_s"]
+        if repeat:
+            reply["repeats_done"] = done
         self.reply(reply, bufs + more)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
                 torch.cuda.ipc_collect()  # output blocks the trusted side has let go of
             except Exception:  # noqa: BLE001 - said at the next call, if it matters
                 pass
+
+    def repeat_calls(self, fn, args, kwargs, times: int) -> tuple:
+        """The calls a request asks for before its own (`repeat`: the probe's long run, detect/probe/longrun.py):
+        `times` calls, each on fresh copies of the request's inputs as they came, nothing of theirs sent back and
+        nothing waited for on the device (an asynchronous fault surfaces at the request's own call, which is
+        synchronised). Made by the trusted side one at a time, each such call cost a round trip. (calls that
+        returned, the exception of the one that raised or None)."""
+        torch = self.torch
+        for i in range(times):
+            try:
+                fn(*_fresh(torch, args), **_fresh(torch, kwargs))
+            except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
+                return i, e
+        return times, None
 
     def wait_ready(self, ready):
         """An overlapped call (client.KernelServer.overlap): `ready` is [device, handle] of the trusted side's
@@ -1174,6 +1197,17 @@ class Server:
 
 class _NoEvents(Exception):
     """Interprocess CUDA events cannot be opened or made in this process (an overlapped call's first step)."""
+
+
+def _fresh(torch, tree):
+    """A copy of a call's inputs for one more call (Server.repeat_calls): every tensor cloned, the rest as it is."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone().requires_grad_(tree.requires_grad)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_fresh(torch, x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _fresh(torch, v) for k, v in tree.items()}
+    return tree
 
 
 def _echo(x):

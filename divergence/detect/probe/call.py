@@ -8,6 +8,7 @@ into those in place, as an optimizer step writes them (`stale_weights`). Every c
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 
@@ -26,10 +27,11 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
     ctx, kept = case.context, case.inputs
     slot = contract.name
 
-    def call(inputs, sync: bool = True):
-        with _unsynchronised(impl.fn, on=not sync):
-            out = impl.fn(*inputs, **ctx)
-        if device == "cuda" and sync:
+    def call(inputs, repeat: int = 0):
+        """The candidate on `inputs`, after `repeat` calls on fresh copies of them whose outputs nobody reads (the
+        long run's: a failure among those is an EarlierCall)."""
+        out = _repeated(impl.fn, inputs, ctx, repeat) if repeat else impl.fn(*inputs, **ctx)
+        if device == "cuda":
             torch.cuda.synchronize()  # an asynchronous kernel error surfaces here, inside the guard
         said = output_problem(contract, out, inputs)  # plain tensors only (slots/outputs.py)
         if said:
@@ -37,6 +39,8 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
         return as_tuple(out)
 
     def failed(e, when=""):
+        if isinstance(e, EarlierCall):
+            e = e.error
         if isinstance(e, checks.NotData):
             return checks._finding("outputs", None, f"{when}{e}")
         if isinstance(e, OutputError):  # said by the candidate's kernel server (sandbox/client.py) in the same words
@@ -70,23 +74,50 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
             return out + [checks._finding("overwritten", None, OVERWRITTEN)]
 
 
-class _unsynchronised:
-    """A call whose device work nobody waits for: a kernel server's call ordered by CUDA events instead of host
-    syncs (sandbox/client.py: KernelServer.overlap), the long run's unjudged calls. Synchronous, each of them waits
-    for its GPU, which a soak's arms share: 3,000 such calls took 18-128 s beside training arms on an H100
-    (2026-11-28; 7.8 s in a probe alone the day before), and the slowest spent the probe's time budget."""
+class EarlierCall(Exception):
+    """One of a repeated call's earlier calls raised (`_repeated`): `done` of them had returned (None: not known,
+    the kernel server gave no reply), `error` is its."""
 
-    def __init__(self, fn, on: bool = True):
-        remote = getattr(getattr(fn, "fn", fn), "sandbox", None)  # (the probe's late-write watch wraps the call)
-        self.server = getattr(remote, "server", None) if on else None
+    def __init__(self, done: Optional[int], error: BaseException):
+        super().__init__(str(error))
+        self.done, self.error = done, error
 
-    def __enter__(self):
-        if self.server is not None:
-            self.was, self.server.overlap = self.server.overlap, True
 
-    def __exit__(self, *exc):
-        if self.server is not None:
-            self.server.overlap = self.was
+def _repeats_done(e: BaseException) -> Optional[int]:
+    """A kernel server's count of the repeats that returned before `e` (the loader's adapters raise their own
+    error from the candidate's), or None where the server gave no reply (it died)."""
+    while e is not None:
+        done = getattr(e, "repeats_done", None)
+        if done is not None:
+            return done
+        e = e.__cause__
+    return None
+
+
+def _repeated(fn, inputs, ctx, repeat: int):
+    """`fn` on `inputs` after `repeat` calls on fresh copies of them, nobody waiting for those. In a kernel server
+    (sandbox/) the server makes them (RemoteFunction.repeat_next), each at the cost of the candidate's own call:
+    one at a time from here each paid a round trip and a sync (3,000 such calls took 7.8 s in a probe alone on an
+    H100 and 18-128 s beside training arms, 2026-11-28). The copies are made where the call is made, after the
+    loader's adapters (a destination-passing candidate's outputs are part of its inputs there)."""
+    remote = getattr(getattr(fn, "fn", fn), "sandbox", None)  # (the probe's late-write watch wraps the call)
+    if remote is not None:
+        remote.repeat_next = repeat
+        try:
+            return fn(*inputs, **ctx)
+        except Exception as e:
+            done = _repeats_done(e)
+            if done is None or done < repeat:
+                raise EarlierCall(done, e) from None
+            raise
+        finally:
+            remote.repeat_next = 0  # (consumed by the call; not left for another should the adapters raise first)
+    for i in range(repeat):
+        try:
+            fn(*_clone(inputs), **ctx)
+        except Exception as e:
+            raise EarlierCall(i, e) from None
+    return fn(*inputs, **ctx)
 
 
 def _later_calls(contract, call, failed, kept, given, cand, orc, errs, prepared, fam, seed, device) -> list:
