@@ -519,7 +519,7 @@ class KernelServer:
                 self.overlap = False
                 err = h.get("error") or {}
                 self.platform["overlap_error"] = f"{wire.safe_name(err.get('type'))}: {err.get('msg', '')}"[:300]
-                return self.call(args, kwargs, watch, echo)
+                return self.call(args, kwargs, watch, echo, repeat)
             if not h.get("ok"):
                 e = _exception(h.get("error") or {}, self.where)
                 if repeat and "repeats_done" in h:
