@@ -194,12 +194,14 @@ def test_the_long_run_makes_every_call_once_the_unjudged_ones_as_repeated_calls_
     assert failing(1).startswith("call 1 of 3000: ")
 
 
-@pytest.mark.parametrize("sandbox", ["on", "off"])
+@pytest.mark.parametrize("sandbox,device", [("on", "cpu"), ("off", "cpu"),
+                                            pytest.param("on", "cuda", marks=pytest.mark.gpu)])
 def test_the_long_runs_repeated_calls_each_get_fresh_inputs_and_a_failure_is_named_by_its_number(tmp_path,
                                                                                                    monkeypatch,
-                                                                                                   sandbox):
+                                                                                                   sandbox, device):
     """In a kernel server and in-process alike: each of the repeated calls gets copies of the inputs as they were
-    (a candidate that marks its input finds no mark), and one that raises is named by its call number."""
+    (a candidate that marks its input finds no mark), and one that raises is named by its call number. On a GPU
+    the server repeats the calls on its mappings of the caller's memory (CUDA IPC)."""
     from divergence.sandbox import OPT_OUT
 
     monkeypatch.setenv(OPT_OUT, sandbox)
@@ -221,7 +223,8 @@ def test_the_long_runs_repeated_calls_each_get_fresh_inputs_and_a_failure_is_nam
             rstd.flatten()[0] = -7.0
             return out
         """)
-    res = run_probe(SLOT, marks, tmp_path / "p", seed=SEED, only=["long-run"], prepared=PREPARED)
+    res = run_probe(SLOT, marks, tmp_path / "p", seed=SEED, only=["long-run"], device=device,
+                    prepared=PREPARED if device == "cpu" else None)
     (f,) = res["findings"]
     assert f["check"] == "exception", f
     assert f["detail"].startswith("call 1234 of 3000 (right at call 1200, checked every 50): "), f["detail"]
