@@ -187,8 +187,10 @@ def cmd_probe(args) -> int:
     from .detect.probe.run import command
 
     only = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    if args.budget is not None and not args.budget > 0:
+        raise UserError(f"--budget: {args.budget:g} is not a number of seconds above 0")
     return command(args.kernel, args.candidate, args.seed, args.out, args.device, only, args.shape, args.definition,
-                   args.definitions, args.recipe)
+                   args.definitions, args.recipe, args.budget)
 
 
 def _add_shapes(p):
@@ -203,7 +205,7 @@ def _add_shapes(p):
 
 def _add_probe(sub):
     p = verb(sub, "probe", "check a candidate op against its float64 oracle across input families (exit 0 pass, "
-                           "1 findings, 2 NEEDS-SHAPES or bad input)")
+                           "1 findings, 2 NEEDS-SHAPES, INCONCLUSIVE or bad input)")
     p.add_argument("--kernel", help="slot name, e.g. fused_embed_rmsnorm (required unless a definition names it)")
     p.add_argument("--candidate", help="candidate: zoo:NAME, file.py, pkg.mod:fn, file.cu, solution.json, "
                                        "reference, null-1 (default: the slot's demo candidate)")
@@ -211,6 +213,9 @@ def _add_probe(sub):
     p.add_argument("--out", help="folder for probe.json (default results/probe-<slot>-<candidate>-<time>)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where available")
     p.add_argument("--families", help="comma-separated input families to run (default: all)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="time for the sweep; families it leaves unrun make the verdict INCONCLUSIVE (default: 30 s "
+                        "on a GPU and 60 s on a CPU, 120 s and 300 s at declared shapes)")
     _add_shapes(p)
     p.add_argument("--recipe", help="recipe whose training run the captured families come from (default: tiny "
                                     "with a softcap on CPU, h200-softcap on CUDA)")

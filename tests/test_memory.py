@@ -147,7 +147,9 @@ def test_what_a_process_holds_beyond_its_record_is_measured_on_the_gpu(tmp_path,
     none runs out."""
     said = []
     monkeypatch.setattr(memory, "STEADY_S", 0.9)  # the stand-in's record never grows: steady from its first write
-    recipe = setup(tmp_path, monkeypatch, 10 * GiB, run_s=3.0, hidden=12 * GiB, row_s=1.5)
+    # The first arm alone long enough for its use to be measured even on a loaded machine (3 s, as the others, was
+    # too short beside a soak on the 2-core machine: the others started before the measure, sized without it)
+    recipe = setup(tmp_path, monkeypatch, 10 * GiB, run_s=3.0, hidden=12 * GiB, row_s=1.5, run_s_of={"null-1": 6.0})
     placer = gpus(tmp_path, 6, said=said)
     res = runner.run_jobs(recipe, arms(tmp_path, [f"null-{k}" for k in range(1, 7)]), None, "cpu", 6, placer=placer)
     assert {st["status"] for st in res.values()} == {"OK"}, res

@@ -261,12 +261,46 @@ def test_same_seed_same_findings_and_fresh_seeds_differ(tmp_path):
     assert len(seeds) == 3
 
 
-def test_time_budget_stops_the_sweep_with_a_note(tmp_path):
+def test_a_sweep_its_time_budget_stopped_is_inconclusive_not_a_pass(tmp_path):
+    """Families left unrun were not judged: no finding then is no pass, standalone (exit 2) as in an A/B's probe
+    signal, and the words say how to give it longer."""
+    from divergence.detect.verdict import probe_signal
+
     threads = torch.get_num_threads()
     res = probe("rope", "reference", tmp_path, budget_s=0.0)
     assert torch.get_num_threads() == threads  # the CPU sweep's single thread is given back
-    assert len(res["families"]) == 1 and res["verdict"] == "PASS"
-    assert any("time budget" in n for n in res["notes"])
+    assert len(res["families"]) == 1 and res["verdict"] == "INCONCLUSIVE" and not res["findings"]
+    assert any(n.startswith("time budget of 0 s spent: families ") for n in res["notes"])
+    assert res["detail"].startswith("the sweep did not run to its end: time budget of 0 s spent: families ")
+    assert res["detail"].endswith("not run; `divergence probe --budget SECONDS` gives it longer")
+    sig = probe_signal(res)
+    assert sig["verdict"] == "INCONCLUSIVE" and "time budget of 0 s spent" in sig["reason"], sig
+    # a note about what the sweep left out by design is not an unfinished sweep
+    whole = probe("rope", "reference", tmp_path, only=["contract"])
+    whole["notes"].append("the definition's 3 workload(s) are not run: swiglu builds its input families at its own "
+                          "shapes")
+    assert whole["verdict"] == "PASS" and probe_signal(whole)["verdict"] == "PASS"
+
+
+def test_the_probe_commands_budget(tmp_path, capsys):
+    from divergence.cli import main
+    from divergence.detect.probe import shapes
+    from divergence.detect.probe.run import BUDGET_S
+
+    out = tmp_path / "p"
+    assert main(["probe", "--kernel", "rope", "--candidate", "reference", "--budget", "0.001", "--families",
+                 "contract,odd", "--out", str(out), "--seed", "1"]) == 2
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("INCONCLUSIVE: the sweep did not run to its end: time budget of 0.001 s spent: "
+                           "families odd not run"), last
+    assert main(["probe", "--kernel", "rope", "--budget", "0", "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err.strip() == "error: --budget: 0 is not a number of seconds above 0"
+    with pytest.raises(SystemExit):
+        main(["probe", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"(default: {BUDGET_S['cuda']:g} s on a GPU and {BUDGET_S['cpu']:g} s on a CPU, "
+            f"{shapes.BUDGET_DECLARED['cuda']:g} s and {shapes.BUDGET_DECLARED['cpu']:g} s at declared shapes)") \
+        in said, said
 
 
 def test_without_the_corpus_its_family_is_skipped_with_a_note(monkeypatch):

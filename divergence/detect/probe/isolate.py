@@ -447,7 +447,8 @@ def _again_alone(gpu: ProbeGpu, fam, limits: Limits, notes: list, got: list, run
 
 def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Optional[Limits] = None,
           on_loaded=None, rebuild: Optional[tuple] = None, prepared=None) -> tuple:
-    """Every family in a worker, within the time budget: (candidate meta, findings, per-family records, notes).
+    """Every family in a worker, within the time budget: (candidate meta, findings, per-family records, notes, why
+    the sweep stopped before its last family: ("budget" or "lost", its note) or None).
     Findings carry the family, its shape and the seed; `crash` and `timeout` findings are the watchdog's.
     `on_loaded(meta)` is called once the candidate has loaded, before the first family; `rebuild`: how a spawned
     worker builds the same families (Worker); `prepared`: the run's call.Prepared (a fresh one if None)."""
@@ -473,15 +474,17 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
         on_loaded(meta)
     t0 = time.perf_counter()
     dead = 0  # workers lost in a row
+    stopped = None  # why the sweep ended before its last family
     try:
         for i, fam in enumerate(fams):
             if i and time.perf_counter() - t0 > budget:  # at least one family, whatever the budget
-                notes.append(f"time budget of {budget:g} s spent: families {', '.join(f.name for f in fams[i:])} "
-                             "not run")
-                break
-            if dead >= MAX_DEAD:
-                notes.append(f"the candidate crashed or hung in {dead} families in a row: families "
-                             f"{', '.join(f.name for f in fams[i:])} not run")
+                stopped = ("budget", f"time budget of {budget:g} s spent: families "
+                                     f"{', '.join(f.name for f in fams[i:])} not run")
+            elif dead >= MAX_DEAD:
+                stopped = ("lost", f"the candidate crashed or hung in {dead} families in a row: families "
+                                   f"{', '.join(f.name for f in fams[i:])} not run")
+            if stopped:
+                notes.append(stopped[1])
                 break
             tf = time.perf_counter()
             try:
@@ -514,7 +517,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             worker.close()
         if gpu is not None:
             gpu.lock.release()
-    return meta, findings, ran, notes
+    return meta, findings, ran, notes, stopped
 
 
 def _family_once(worker: Worker, i: int, calls: int) -> list:

@@ -30,7 +30,7 @@ from . import shapes as shaped
 from .isolate import NOT_ALONE
 from .magnitudes import compact
 
-BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the issue's limit for the default sweep, per kernel
+BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the time a default sweep is given, per kernel
 RULE = (f"relative L2 error vs the float64 oracle <= {RATIO:g} x the reference's own error on the same input "
         "+ half an ulp of the output dtype; per output, and on the worst of the most frequent rows of a scatter output")
 
@@ -91,14 +91,18 @@ def _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only
             echo(f"probe {slot} <- {impl['name']} ({impl['origin']}), seed {seed} (repeat with --seed {seed}), "
                  f"device {device}, {len(fams)} input families")
 
-    impl, findings, ran, notes = _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits,
-                                        loaded, shapes, recipe, prepared, workloads)
+    impl, findings, ran, notes, stopped = _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir,
+                                                 limits, loaded, shapes, recipe, prepared, workloads)
     wall = time.perf_counter() - t0
     notes = list(notes) + list(impl.get("settings") or [])  # process-wide settings the candidate made at import
     findings = _merge_exceptions(findings)
     verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
-    # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged (isolate.py)
+    # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged, nor were the
+    # families after a sweep that stopped early (isolate.py): no finding then is no pass
     unsure = [n for n in notes if NOT_ALONE in n]
+    if stopped:
+        more_time = "; `divergence probe --budget SECONDS` gives it longer" if stopped[0] == "budget" else ""
+        unsure.append(f"the sweep did not run to its end: {stopped[1]}{more_time}")
     if verdict == "PASS" and unsure:
         verdict = "INCONCLUSIVE"
     notes = list(notes) + more
@@ -137,7 +141,8 @@ def _families(slot, device, shapes, recipe, only, workloads=None) -> tuple:
 
 def _sweep(slot, candidate_spec, fams, seed, device, budget, notes, out_dir, limits, loaded, shapes, recipe,
            prepared, workloads=None) -> tuple:
-    """isolate.sweep with this process on one CPU thread meanwhile: (candidate meta, findings, families, notes)."""
+    """isolate.sweep with this process on one CPU thread meanwhile: (candidate meta, findings, families, notes, why
+    it stopped early or None)."""
     from . import isolate
 
     threads = torch.get_num_threads()
@@ -260,9 +265,12 @@ def default_candidate(slot: str, device: str = "cpu") -> str:
 
 def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int], out: Optional[str],
             device: Optional[str], only: Optional[list] = None, shape: Optional[str] = None,
-            definition: Optional[str] = None, definitions: Optional[str] = None, recipe: Optional[str] = None) -> int:
+            definition: Optional[str] = None, definitions: Optional[str] = None, recipe: Optional[str] = None,
+            budget_s: Optional[float] = None) -> int:
     """`divergence probe`: prints the seed, the findings table, notes and a last line with the verdict; returns
-    0 (pass), 1 (findings) or 2 (NEEDS-SHAPES or INCONCLUSIVE: no numerical verdict). Bad input raises UserError (exit 2)."""
+    0 (pass), 1 (findings) or 2 (NEEDS-SHAPES or INCONCLUSIVE: no numerical verdict). Bad input raises UserError
+    (exit 2). `budget_s`: the sweep's time budget (default: BUDGET_S, or shapes.BUDGET_DECLARED at declared
+    shapes)."""
     echo = lambda s: print(s, flush=True)  # noqa: E731
     kernel, shapes, _, defn = shaped.declared_for(kernel, candidate, shape, definition, definitions,
                                                   device=device_from_flag(device), echo=echo)
@@ -272,7 +280,7 @@ def command(kernel: Optional[str], candidate: Optional[str], seed: Optional[int]
         stem = re.sub(r"[^0-9A-Za-z_.-]", "_", Path(spec.split(":")[-1]).stem) or "candidate"
         out = Path("results") / f"probe-{kernel}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     res = run_probe(kernel, spec, out, seed=seed, device=device, only=only, echo=echo, shapes=shapes, recipe=recipe,
-                    workloads=workloads)
+                    workloads=workloads, budget_s=budget_s)
     print(format_table(res))
     for n in res["notes"]:
         print(f"note: {n}")
