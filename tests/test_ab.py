@@ -123,6 +123,45 @@ def test_new_arms_go_to_the_least_busy_gpu():
     assert _least_busy(["0", "1", "2"], running) == "1"
 
 
+def _killed_child(recipe, spec, out_dir, corpus, gpu=None, t_start=None, world=None):
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer ends a process
+
+
+@pytest.mark.parametrize("kills", [(3, 4), (3, 3), (None, None)])
+def test_an_arm_killed_while_the_out_of_memory_killer_ran_says_the_machine_ran_out_of_memory(tmp_path, monkeypatch,
+                                                                                             tiny, kills):
+    """An arm that dies of SIGKILL while the kernel's out-of-memory killer's count grows is said to have met the
+    machine's memory, not a bare signal; with the count unchanged, or not to be read, only the signal is said."""
+    from divergence.ab import runner
+    from divergence.candidates import contain
+    from divergence.train.arm import ArmSpec
+
+    counts = iter(kills)
+    monkeypatch.setattr(runner, "_child", _killed_child)
+    monkeypatch.setattr(runner, "oom_kills", lambda: next(counts))
+    monkeypatch.setattr(contain, "oom_kills", lambda: next(counts))
+    job = runner.Job("sgd/null-1", tmp_path / "null-1", ArmSpec("null-1", "sgd"))
+    st = runner.run_jobs(tiny, [job], None, "cpu", workers=1)[job.key]
+    assert st["status"] == "CRASH"
+    said = "; the system's out-of-memory killer ended 1 process(es) meanwhile (/proc/vmstat oom_kill): the " \
+           "machine ran out of memory (fewer arms at once: --set ab.workers=1)"
+    assert st["error"].startswith("arm process died (signal 9 (SIGKILL)) before finishing"), st["error"]
+    assert (said in st["error"]) == (kills == (3, 4)), st["error"]
+
+
+def test_the_out_of_memory_killers_count_is_read_here():
+    """Linux >= 4.13 keeps it in /proc/vmstat, readable by any user (a number here, or None elsewhere)."""
+    from divergence.candidates.contain import oom_kills
+
+    n = oom_kills()
+    assert n is None or (isinstance(n, int) and n >= 0)
+    if os.path.exists("/proc/vmstat") and "oom_kill " in open("/proc/vmstat").read():
+        assert isinstance(n, int)
+
+
 def test_a_finished_arm_is_retired_while_its_process_still_exits(tmp_path, monkeypatch, tiny, process_state):
     """An arm counts as done when its arm.json says so: the next arm starts without waiting for the process's
     exit (10-15 s for a CUDA arm), a process that lingers is killed after the grace period, and once no arm is

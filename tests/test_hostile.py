@@ -128,6 +128,40 @@ def test_a_crash_names_family_shape_and_signal_and_the_rest_runs_in_a_fresh_work
     assert names.index("odd") < len(names) - 1  # the families after `odd` ran in a fresh worker
 
 
+@pytest.mark.parametrize("oom_killer", [True, False])
+def test_a_worker_the_out_of_memory_killer_ended_leaves_its_family_unjudged_not_a_crash(tmp_path, monkeypatch,
+                                                                                        oom_killer):
+    """Killed (SIGKILL) in the 'odd' family while the system's out-of-memory killer's count grew: the machine ran
+    out of memory, which is nobody's finding: that family is not judged, the next one runs, and the probe is
+    INCONCLUSIVE with the reason. The same death with the count unchanged is the candidate's crash."""
+    from divergence.candidates import contain
+    from divergence.detect.probe import isolate
+
+    spec = tmp_path / "killed_odd.py"
+    spec.write_text("import os, signal\nfrom divergence.slots.swiglu import reference\n"
+                    "def run(gate, up):\n    if gate.shape[0] == 37:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+                    "    return reference(gate, up)\n")
+    count = [0]
+
+    def kills():  # grows by one at each look after the first family began, as the killer's would
+        count[0] += 1 if oom_killer else 0
+        return count[0]
+
+    monkeypatch.setattr(isolate, "oom_kills", kills)
+    monkeypatch.setattr(contain, "oom_kills", kills)
+    res = run_probe("swiglu", str(spec), tmp_path / "p", seed=1, limits=FAST, only=["contract", "odd", "batch-1"])
+    assert [r["family"] for r in res["families"]] == ["contract", "odd", "batch-1"]
+    if oom_killer:
+        assert res["verdict"] == "INCONCLUSIVE" and not res["findings"], res["findings"]
+        assert res["detail"].startswith("family odd (") and "not judged: the machine ran out of memory: its " \
+            "process died (" in res["detail"], res["detail"]
+        assert "); the system's out-of-memory killer ended 1 process(es) meanwhile" in res["detail"], res["detail"]
+    else:
+        (f,) = res["findings"]
+        assert (f["check"], f["family"]) == ("crash", "odd"), f
+        assert "signal 9 (SIGKILL)" in f["detail"] or "exit code 137" in f["detail"], f
+
+
 def test_a_hang_is_a_timeout_and_the_next_family_runs(tmp_path):
     spec = tmp_path / "hang_odd.py"
     spec.write_text("import time\nfrom divergence.slots.swiglu import reference\n"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..candidates.contain import describe_exit, die_with_parent, kill_group, last_words
+from ..candidates.contain import describe_exit, die_with_parent, died_of_memory, kill_group, last_words, oom_kills
 from ..detect import tripwire
 from ..errors import RecipeError
 from ..train.metrics import read_json, write_json
@@ -369,7 +369,7 @@ def _fill(recipe, queue, running, gpus, corpus, device, room: int, gate, placer,
             proc = held[1]
             held[2].set()
             now = time.time()
-            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+            running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu, oom_kills()]
         else:
             proc = _start(job, recipe, running, gpu, corpus, device)
         if placer is not None:
@@ -442,7 +442,7 @@ def _start(job, recipe, running: Optional[dict], gpu: Optional[str], corpus, dev
     proc.go = go
     if running is not None:
         now = time.time()
-        running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu]
+        running[job.key] = [job, proc, now, now + STARTUP_GRACE_S, (None, -1), gpu, oom_kills()]
     return proc
 
 
@@ -553,7 +553,7 @@ def _context(method: str, compiled: bool = False):
 
 def _check(key: str, running: dict, draining: list, ab, retire, stop):
     """One running arm: still going (watched), or its process gone (its arm.json read, a CRASH if unfinished)."""
-    job, proc, t0, _, _, _ = running[key]
+    job, proc, t0, _, _, _, kills = running[key]
     now = time.time()
     if proc.is_alive():
         _watch(key, running, draining, ab, retire, now)
@@ -570,7 +570,7 @@ def _check(key: str, running: dict, draining: list, ab, retire, stop):
             raise KeyboardInterrupt
         said = last_words(Path(job.out_dir) / "stdout.log")
         st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
-                                   + (f": {said}" if said else ""))
+                                   + died_of_memory(proc.exitcode, kills) + (f": {said}" if said else ""))
     else:
         _record_process_s(job, st, now - t0)
     del running[key]
@@ -580,7 +580,7 @@ def _check(key: str, running: dict, draining: list, ab, retire, stop):
 def _watch(key: str, running: dict, draining: list, ab, retire, now: float):
     """A live arm: retired once its arm.json says it finished, ended with TIMEOUT when no step finishes within
     ab.step_timeout_s of the last one or the arm outlives ab.arm_timeout_s."""
-    job, proc, t0, deadline, mark, _ = running[key]  # the deadline before this look moves it (as it always was)
+    job, proc, t0, deadline, mark, _, _ = running[key]  # the deadline before this look moves it (as it always was)
     m = _progress_mark(job.out_dir)
     if m != mark:
         running[key][3], running[key][4] = now + ab.step_timeout_s, m

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -62,6 +63,34 @@ def describe_exit(code) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has ended since boot (`oom_kill` in /proc/vmstat,
+    Linux >= 4.13, readable by any user), or None where it is not to be read. A count that grew while a process
+    died of SIGKILL names the likely cause: nothing of divergence sends SIGKILL to a running arm without saying so
+    (a TIMEOUT), and the killer leaves no other trace a user may read (its lines in the kernel's log need root)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def died_of_memory(code, kills_before: Optional[int]) -> str:
+    """Words to add where a process ended with exit status `code`: the out-of-memory killer's, where it ended
+    processes since `kills_before` (oom_kills() when the process started) and this one died of SIGKILL (or exited
+    137, as a process whose kernel server died so ends where it cannot die of the signal itself); else ""."""
+    if code not in (-signal.SIGKILL, 128 + signal.SIGKILL) or kills_before is None:
+        return ""
+    now = oom_kills()
+    if now is None or now <= kills_before:
+        return ""
+    return (f"; the system's out-of-memory killer ended {now - kills_before} process(es) meanwhile (/proc/vmstat "
+            "oom_kill): the machine ran out of memory (fewer arms at once: --set ab.workers=1)")
 
 
 def kill_group(proc, wait_s: float = 5.0) -> None:

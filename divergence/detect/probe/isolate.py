@@ -7,7 +7,9 @@ sent. The parent watches it:
 - a family that does not finish within `Limits.family_s` (a base plus a share per million input elements per
   call) is a `timeout` finding: the worker's process group is killed;
 - a worker that dies (a signal, `os._exit`, a segfault, an abort) is a `crash` finding naming the family, its
-  shape and the exit status or signal;
+  shape and the exit status or signal; one the system's out-of-memory killer ended (SIGKILL while its count in
+  /proc/vmstat grew: contain.died_of_memory) is the machine's, not the candidate's: that family is not judged
+  (HOST_OUT_OF_MEMORY in a note) and the verdict INCONCLUSIVE;
 - after a CUDA error inside a family (the context is then unusable) the worker finishes that family's findings and
   exits;
 and in each case the next family runs in a fresh worker. The worker's stdout and stderr (the candidate's prints, a
@@ -41,7 +43,7 @@ import torch
 
 from ... import gpu as G
 from ...candidates import globalstate
-from ...candidates.contain import describe_exit, die_with_parent, kill_group, last_words
+from ...candidates.contain import describe_exit, die_with_parent, died_of_memory, kill_group, last_words, oom_kills
 from ...errors import CandidateError
 from ...slots import bitwise
 from . import checks
@@ -73,7 +75,8 @@ MAX_DEAD = 3
 
 
 class WorkerDied(Exception):
-    """The worker ended (crash) or was killed (timeout) before answering; `kind` is 'crash' or 'timeout'."""
+    """The worker ended (crash) or was killed (timeout) before answering, or the system's out-of-memory killer
+    ended it (memory); `kind` is 'crash', 'timeout' or 'memory'."""
 
     def __init__(self, kind: str, why: str):
         super().__init__(why)
@@ -117,6 +120,7 @@ class Worker:
                                                      fams if forked or _picklable(fams) else None,
                                                      [f.name for f in fams], str(self.log), rebuild,
                                                      prepared if forked else None), daemon=False)
+        self.kills = oom_kills()  # the out-of-memory killer's count when the worker's current task began
         self.proc.start()
         child.close()
         (self.meta,) = self._wait("load", limits.load_s)
@@ -145,10 +149,14 @@ class Worker:
                 self.proc.join(5)
                 code = self.proc.exitcode
                 self.close()
+                memory = died_of_memory(code, self.kills)
+                if memory:  # the machine's doing: the family is not judged, nobody is blamed (sweep)
+                    raise WorkerDied("memory", f"its process died ({describe_exit(code)}){memory}")
                 raise WorkerDied("crash", f"the candidate's process died: {describe_exit(code)}{_last_line(self.log)}")
 
     def family(self, i: int, calls: int) -> tuple:
         """(findings, seconds the candidate's checks took, fatal: the worker has exited) for family i."""
+        self.kills = oom_kills()
         try:
             self.conn.send(("family", i))
         except OSError:  # it died since the last family (a thread the candidate left behind): _wait says how
@@ -375,7 +383,7 @@ def _start(slot: str, spec, *args) -> Worker:
     try:
         return Worker(slot, spec, *args)
     except WorkerDied as e:
-        raise CandidateError(f"{slot}: candidate {spec}: loading it {'killed' if e.kind == 'crash' else 'hung'} "
+        raise CandidateError(f"{slot}: candidate {spec}: loading it {'hung' if e.kind == 'timeout' else 'killed'} "
                              f"its process ({e.why})") from None
 
 
@@ -392,6 +400,7 @@ def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
 # In the note of a family that ran out of GPU memory beside other work and could not have the GPU alone (run.py
 # makes such a probe's verdict INCONCLUSIVE)
 NOT_ALONE = "not judged: out of GPU memory beside other work on the GPU"
+HOST_OUT_OF_MEMORY = "not judged: the machine ran out of memory"
 
 
 class ProbeGpu:
@@ -503,9 +512,14 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
                         REPEATS + 2 if fam.deep else fam.calls))  # as above
                     t0, gpu.waited_s = t0 + gpu.waited_s, 0.0  # the budget is the candidate's time, not the wait's
             except WorkerDied as e:
-                worker, dead = None, dead + 1
-                # The table names the family and shape; identical details merge into one line (run.py).
-                got = [checks._finding(e.kind, None, f"{e.why}; later families ran in a fresh process")]
+                worker = None
+                if e.kind == "memory":  # the system's out-of-memory killer: the machine's, not a finding
+                    notes.append(f"family {fam.name} ({fam.shape_str()}) {HOST_OUT_OF_MEMORY}: {e.why}")
+                    got = []
+                else:
+                    dead += 1
+                    # The table names the family and shape; identical details merge into one line (run.py).
+                    got = [checks._finding(e.kind, None, f"{e.why}; later families ran in a fresh process")]
             for f in got:
                 findings.append({"check": f["check"], "family": fam.name, "shape": fam.shape_str(), "seed": seed,
                                  "error": f["error"], "allowed": f["allowed"], "detail": f["detail"],

@@ -27,7 +27,7 @@ from ...errors import UserError
 from ...rule import RATIO
 from . import checks, isolate
 from . import shapes as shaped
-from .isolate import NOT_ALONE
+from .isolate import HOST_OUT_OF_MEMORY, NOT_ALONE
 from .magnitudes import compact
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the time a default sweep is given, per kernel
@@ -99,7 +99,7 @@ def _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only
     verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
     # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged, nor were the
     # families after a sweep that stopped early (isolate.py): no finding then is no pass
-    unsure = [n for n in notes if NOT_ALONE in n]
+    unsure = [n for n in notes if NOT_ALONE in n or HOST_OUT_OF_MEMORY in n]
     if stopped:
         more_time = "; `divergence probe --budget SECONDS` gives it longer" if stopped[0] == "budget" else ""
         unsure.append(f"the sweep did not run to its end: {stopped[1]}{more_time}")
