@@ -42,7 +42,8 @@ EXAMPLES = {
   divergence soak recipes/soaks/demo.yaml --backend ray --ray-address HOST:PORT""",
     "report": """\
   divergence report results/my-run                            # report.html again, from the folder's files
-  divergence report results/my-run --wandb                    # and log it to wandb (after ab --no-wandb)""",
+  divergence report results/my-run --wandb                    # and log it to wandb (after ab --no-wandb)
+  divergence report results/soak-demo-20260101-120000         # every cell of a soak (CELL/seed-N/report.html)""",
     "dashboard": """\
   divergence dashboard results/my-run                         # after: wandb sync results/my-run/wandb/offline-run-*
   divergence dashboard results/soak-demo-20260101-120000      # a soak's: its table, a run set per candidate""",
@@ -223,14 +224,29 @@ def _add_probe(sub):
 
 
 def cmd_report(args) -> int:
+    from pathlib import Path
+
     from .report.publish import after_ab
 
-    after_ab(args.results_dir, args, log_wandb=args.wandb)
+    folder = Path(args.results_dir)
+    # A soak's cells (CELL/seed-N, each an A/B's folder) or its whole folder: every cell's page; wandb is the
+    # soak's own doing there (each cell's runs in its candidate's group), not an A/B's
+    cells = [] if (folder / "plan.json").exists() else \
+        sorted({p.parent for pattern in ("seed-*/plan.json", "*/seed-*/plan.json") for p in folder.glob(pattern)})
+    if not cells:
+        after_ab(folder, args, log_wandb=args.wandb)
+        return EXIT_PASS
+    if args.wandb:
+        raise UserError(f"--wandb: {folder} holds a soak's cells, which `divergence soak` logs to wandb itself; "
+                        "`divergence dashboard` saves its dashboard")
+    for cell in cells:
+        after_ab(cell, args, log_wandb=False)
     return EXIT_PASS
 
 
 def _add_report(sub):
-    r = verb(sub, "report", "report.html and plots of a finished A/B results folder (run by `ab` too)")
+    r = verb(sub, "report", "report.html and plots of a finished A/B results folder (run by `ab` too), or of every "
+                            "cell of a soak's folder")
     r.add_argument("results_dir", metavar="RESULTS_DIR")
     r.add_argument("--wandb", action="store_true", help="also log the folder to wandb (again), e.g. after "
                                                         "`ab --no-wandb` or installing wandb")

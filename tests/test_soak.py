@@ -98,6 +98,17 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
     # only the cell that trained again, and the table again (counted: check_wandb_groups read the first ones)
     assert len(sorted(out.glob("**/wandb/offline-run-*"))) == n_runs + 9 + 1
 
+    # `divergence report` on the soak builds every cell's page; on one cell, its seeds'; wandb is the soak's own
+    cells = sorted(p.parent for p in out.glob("*/seed-*/plan.json"))
+    assert len(cells) == 4 and not any((c / "report.html").exists() for c in cells)
+    assert main(["report", str(cells[0].parent)]) == 0
+    assert [(c / "report.html").exists() for c in cells] == [True, True, False, False]
+    assert main(["report", str(out)]) == 0
+    assert all((c / "report.html").exists() for c in cells)
+    capsys.readouterr()
+    assert main(["report", str(out), "--wandb"]) == 2
+    assert "--wandb: " in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("how", ["in-process", "an arm's record unconfined"])
 def test_a_soak_of_candidates_in_process_judges_every_cell_after_the_last_arm(tmp_path, monkeypatch, how):
