@@ -363,6 +363,17 @@ def test_shape_flag_declares_the_shapes_without_a_definition(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: runs only at hidden=4096, vocab=256, as its problem declares" in out
     res = json.loads((tmp_path / "p" / "probe.json").read_text())
+    # the families it failed outside the declared shapes are named apart, never as families without findings
+    failed = [f["family"] for f in res["families"] if f["findings"]]
+    assert failed and all(name.startswith("other:") for name in failed), res["families"]
+    table = next(ln for ln in out.splitlines() if ln.startswith("no findings in "))
+    clean, outside = table.split("; findings outside the declared shapes, which the verdict does not count "
+                                 "(notes below): ")
+    assert not any(name in clean.split(": ", 1)[1].split(", ") for name in failed), table
+    assert clean.startswith(f"no findings in {len(res['families']) - len(failed)} input families: ")
+    assert out.strip().splitlines()[-1].startswith(
+        f"PASS: no findings in {len(res['families']) - len(failed)} input families, {len(failed)} more with "
+        "findings outside the declared shapes (")
     largest = next(f for f in res["families"] if f["family"] == "largest")
     assert largest["shape"] == "batch=2 seq=256 hidden=4096 vocab=256" and res["shapes"]["hidden"] == 4096
 
