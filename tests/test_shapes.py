@@ -547,3 +547,22 @@ def test_bad_config_json_is_one_line_naming_the_recipe_key(tmp_path, config, mes
     with pytest.raises(RecipeError) as e:
         load_recipe(str(tmp_path / "r.yaml"))
     assert message in str(e.value) and "model.from_hf_config" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_runs_only_at_note_is_for_failures_outside_the_declared_shapes_alone():
+    """A failure merged over declared and undeclared families is a finding, with no note saying the kernel runs
+    only at its declared shapes (it does not run there either); a failure only outside them is that note."""
+    from divergence.detect.probe import shapes as shaped
+    from divergence.slots import SLOTS
+
+    def finding(*families):
+        return {"check": "exception", "family": families[0], "families": list(families), "shape": "heads=2",
+                "detail": "candidate k failed: RuntimeError: shape '[2, 40, 64, 128]' is invalid"}
+
+    declared = {"head_dim": 128}
+    verdict, counted, notes = shaped.judge(SLOTS["rope"], [], [finding("contract", "other:odd")], declared,
+                                           {"other:odd"})
+    assert verdict == "FAIL" and counted[0]["families"] == ["contract"] and notes == []
+    verdict, counted, notes = shaped.judge(SLOTS["rope"], [], [finding("other:odd")], declared, {"other:odd"})
+    assert verdict == "PASS" and counted == [] and notes[0].startswith("runs only at head_dim=128, as its problem "
+                                                                         "declares (at heads=2: ")
