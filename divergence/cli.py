@@ -239,8 +239,14 @@ def cmd_report(args) -> int:
     if args.wandb:
         raise UserError(f"--wandb: {folder} holds a soak's cells, which `divergence soak` logs to wandb itself; "
                         "`divergence dashboard` saves its dashboard")
-    for cell in cells:
+    judged = [c for c in cells if (c / "verdict.json").exists()]
+    if not judged:
+        raise UserError(f"{folder}: no cell of this soak is judged yet; `divergence soak --resume` the soak's "
+                        "folder to finish it")
+    for cell in judged:
         after_ab(cell, args, log_wandb=False)
+    for cell in sorted(set(cells) - set(judged)):
+        print(f"report: {cell}: not judged yet (no verdict.json; `divergence soak --resume` the soak's folder)")
     return EXIT_PASS
 
 

@@ -156,6 +156,11 @@ def test_a_worker_the_out_of_memory_killer_ended_leaves_its_family_unjudged_not_
         assert res["detail"].startswith("family odd (") and "not judged: the machine ran out of memory: its " \
             "process died (" in res["detail"], res["detail"]
         assert "); the system's out-of-memory killer ended 1 process(es) meanwhile" in res["detail"], res["detail"]
+        assert res["detail"].endswith("the machine ran out of memory (a machine with more memory)"), res["detail"]
+        from divergence.detect.probe.run import format_table
+
+        assert [f["family"] for f in res["families"] if f.get("unjudged")] == ["odd"]
+        assert format_table(res) == "no findings in 2 input families: contract, batch-1"
     else:
         (f,) = res["findings"]
         assert (f["check"], f["family"]) == ("crash", "odd"), f

@@ -229,3 +229,32 @@ def test_the_long_runs_repeated_calls_each_get_fresh_inputs_and_a_failure_is_nam
     assert f["check"] == "exception", f
     assert f["detail"].startswith("call 1234 of 3000 (right at call 1200, checked every 50): "), f["detail"]
     assert "raised at its 1234th call" in f["detail"], f["detail"]
+
+
+@pytest.mark.parametrize("sandbox", ["on", "off"])
+@pytest.mark.parametrize("at", [60, 99])
+def test_a_repeated_call_that_returns_more_than_data_is_an_outputs_finding_named_by_its_number(tmp_path,
+                                                                                               monkeypatch,
+                                                                                               sandbox, at):
+    """Every call's outputs are plain tensors, the repeated ones' too: a Parameter returned once, at an unjudged
+    call (60: a repeat; 99: the batch's own call), is the `outputs` finding at that call, in both modes alike."""
+    from divergence.sandbox import OPT_OUT
+
+    monkeypatch.setenv(OPT_OUT, sandbox)
+    spec = tmp_path / "param_once.py"
+    spec.write_text(textwrap.dedent(f"""
+        import torch
+
+        _calls = [0]
+
+
+        def run(gate, up):
+            _calls[0] += 1
+            out = torch.nn.functional.silu(gate.float()).mul(up.float()).to(gate.dtype)
+            return torch.nn.Parameter(out, requires_grad=False) if _calls[0] == {at} else out
+        """))
+    res = run_probe("swiglu", str(spec), tmp_path / "p", seed=SEED, only=["long-run"])
+    (f,) = res["findings"]
+    assert f["check"] == "outputs", f
+    assert f["detail"].startswith(f"call {at} of 3000 (right at call 50, checked every 50): "), f["detail"]
+    assert "Parameter" in f["detail"], f["detail"]

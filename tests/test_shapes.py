@@ -566,3 +566,24 @@ def test_the_runs_only_at_note_is_for_failures_outside_the_declared_shapes_alone
     verdict, counted, notes = shaped.judge(SLOTS["rope"], [], [finding("other:odd")], declared, {"other:odd"})
     assert verdict == "PASS" and counted == [] and notes[0].startswith("runs only at head_dim=128, as its problem "
                                                                          "declares (at heads=2: ")
+
+
+def test_a_declared_sweep_stopped_among_families_at_undeclared_shapes_alone_still_judges(tmp_path):
+    """At declared shapes the families at other shapes come last and never count: a kernel that crashes at every
+    other width stops the sweep there (families lost in a row) with every counted family judged: PASS, the unrun
+    ones in a note, not INCONCLUSIVE."""
+    from divergence import zoo
+    from divergence.detect.probe import run_probe
+
+    src = Path(zoo.__file__).parent / "embed_hardcoded_hidden.py"
+    body = src.read_text()
+    assert "raise" in body
+    spec = tmp_path / "segv_hidden.py"
+    spec.write_text("import os as _os, signal as _signal\n" + body.replace(
+        "raise ", "_os.kill(_os.getpid(), _signal.SIGSEGV); raise ", 1))
+    res = run_probe(SLOT, str(spec), tmp_path / "p", seed=3,
+                    shapes={"hidden": 4096, "vocab": 256, "batch": 2, "seq": 256})
+    assert any("in a row: families" in n for n in res["notes"]), res["notes"]
+    crashed = [f for f in res["families"] if f["findings"]]
+    assert crashed and all(f["family"].startswith("other:") for f in crashed), res["families"]
+    assert res["verdict"] == "PASS", (res["verdict"], res.get("detail"))

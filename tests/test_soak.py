@@ -108,6 +108,10 @@ def test_soak_matrix_and_resume(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(out), "--wandb"]) == 2
     assert "--wandb: " in capsys.readouterr().err
+    (cells[1] / "verdict.json").unlink()  # a cell of an interrupted soak: set up, not judged
+    assert main(["report", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"report: {cells[1]}: not judged yet" in said and f"report: {cells[3]}" in said
 
 
 @pytest.mark.parametrize("how", ["in-process", "an arm's record unconfined"])

@@ -569,8 +569,9 @@ def _check(key: str, running: dict, draining: list, ab, retire, stop):
             # `timeout` listed 4 reference and null arms as CRASH, "exit code 255", H100, 2026-11-25).
             raise KeyboardInterrupt
         said = last_words(Path(job.out_dir) / "stdout.log")
-        st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing"
-                                   + died_of_memory(proc.exitcode, kills) + (f": {said}" if said else ""))
+        memory = died_of_memory(proc.exitcode, kills, "fewer arms at once: --set ab.workers=1")
+        st = _finish(job, "CRASH", f"arm process died ({describe_exit(proc.exitcode)}) before finishing{memory}"
+                                   + (f": {said}" if said else ""))
     else:
         _record_process_s(job, st, now - t0)
     del running[key]

@@ -80,17 +80,19 @@ def oom_kills() -> Optional[int]:
     return None
 
 
-def died_of_memory(code, kills_before: Optional[int]) -> str:
+def died_of_memory(code, kills_before: Optional[int], remedy: str) -> str:
     """Words to add where a process ended with exit status `code`: the out-of-memory killer's, where it ended
     processes since `kills_before` (oom_kills() when the process started) and this one died of SIGKILL (or exited
-    137, as a process whose kernel server died so ends where it cannot die of the signal itself); else ""."""
+    137, as a process whose kernel server died so ends where it cannot die of the signal itself), with what to do
+    (`remedy`); else "". The killer ends the process holding the most memory, which may be the candidate's own
+    (a leak): a probe leaves the family unjudged (INCONCLUSIVE, never a pass) rather than call it a finding."""
     if code not in (-signal.SIGKILL, 128 + signal.SIGKILL) or kills_before is None:
         return ""
     now = oom_kills()
     if now is None or now <= kills_before:
         return ""
     return (f"; the system's out-of-memory killer ended {now - kills_before} process(es) meanwhile (/proc/vmstat "
-            "oom_kill): the machine ran out of memory (fewer arms at once: --set ab.workers=1)")
+            f"oom_kill): the machine ran out of memory ({remedy})")
 
 
 def kill_group(proc, wait_s: float = 5.0) -> None:

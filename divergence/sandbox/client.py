@@ -537,6 +537,8 @@ class KernelServer:
                 self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, h, overlapped=ready is not None)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
+            if repeat:  # fewer than asked: what came back is that repeat's, which returned more than data
+                notes["repeats_done"] = wire._int(h.get("repeats_done", repeat))
             return ret, late, notes
 
     def _pipelined(self, t0: float, sig: str, layout: dict, device, header: dict, bufs: list, groups: list,
@@ -1051,18 +1053,29 @@ class RemoteFunction:
         self.__name__ = self.__qualname__ = f"{contract.name}:{name}"
         self.watch_next, self.late = 0.0, []
         # Calls the server makes before the next one, on copies of its inputs as they come (the probe's long run:
-        # KernelServer.call's `repeat`); an exception carries `repeats_done`
-        self.repeat_next = 0
+        # KernelServer.call's `repeat`); how many of them returned, as the server's reply said (None before it)
+        self.repeat_next, self.repeats_done = 0, None
 
     def __call__(self, *args, **kwargs):
         watch, self.watch_next = self.watch_next, 0.0
         repeat, self.repeat_next = self.repeat_next, 0
+        self.repeats_done = None  # the server's count of this call's repeats that returned, once it has replied
         try:
             ret, late, notes = self.server.call(args, kwargs, watch=watch, repeat=repeat)
         except LateOutputs as e:  # the call before this one (pipelined): a subclass, hooks, in their words
             self._late(e, args)
         self.late = [self._name(w, i, args, kwargs, notes) for w, i in late]
-        self._refuse(ret, notes, args)
+        self.repeats_done = notes.get("repeats_done", repeat)
+        try:
+            self._refuse(ret, notes, args)
+        except OutputError as e:
+            e.repeats_done = self.repeats_done
+            raise
+        if self.repeats_done < repeat:  # (the server's word that a repeat returned more than data, unconfirmed)
+            e = OutputError(f"{self.contract.name}: candidate {self.name}: a repeated call returned more than "
+                            "plain tensors")
+            e.repeats_done = self.repeats_done
+            raise e
         return ret
 
     def settle(self) -> None:

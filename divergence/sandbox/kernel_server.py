@@ -1003,13 +1003,14 @@ class Server:
         # left here is the base: a change made between calls (a thread of the candidate's) goes back with this one's
         before = self.after_last if want is None and self.after_last is not None else self.state["snapshot"]()
         t_repeat = time.perf_counter()
-        done, failed = self.repeat_calls(fn, args, kwargs, repeat) if repeat else (0, None)
+        done, failed, early = self.repeat_calls(fn, args, kwargs, repeat) if repeat else (0, None, None)
         t_run = time.perf_counter()
         request_s = t_repeat - t_request
         try:
             if failed is not None:
                 raise failed
-            ret = fn(*args, **kwargs)
+            # A repeat that returned more than data is what goes back (the trusted side refuses it in its words)
+            ret = fn(*args, **kwargs) if early is None else early
         except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
             reply, bufs = {"ok": False, "stage": "call", "error": error_info(e)}, []
             if repeat:
@@ -1068,17 +1069,22 @@ class Server:
 
     def repeat_calls(self, fn, args, kwargs, times: int) -> tuple:
         """The calls a request asks for before its own (`repeat`: the probe's long run, detect/probe/longrun.py):
-        `times` calls, each on fresh copies of the request's inputs as they came, nothing of theirs sent back and
-        nothing waited for on the device (an asynchronous fault surfaces at the request's own call, which is
-        synchronised). Made by the trusted side one at a time, each such call cost a round trip. (calls that
-        returned, the exception of the one that raised or None)."""
+        `times` calls, each on fresh copies of the request's inputs as they came, nothing waited for on the device
+        (an asynchronous fault surfaces at the request's own call, which is synchronised). Made by the trusted side
+        one at a time, each such call cost a round trip. What they return is looked at here only for what it
+        carries beyond its values (_not_data): the first that returns more than data ends the repeats, and its
+        return value is sent back in place of the request's own call. (calls that returned before the one that
+        raised or was sent back, that one's exception or None, its return value or None)."""
         torch = self.torch
         for i in range(times):
             try:
-                fn(*_fresh(torch, args), **_fresh(torch, kwargs))
+                ret = fn(*_fresh(torch, args), **_fresh(torch, kwargs))
             except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
-                return i, e
-        return times, None
+                return i, e, None
+            if _more_than_data(torch, ret):
+                return i, None, ret
+            del ret
+        return times, None, None
 
     def wait_ready(self, ready):
         """An overlapped call (client.KernelServer.overlap): `ready` is [device, handle] of the trusted side's
@@ -1225,6 +1231,16 @@ def _same(torch, a, b) -> bool:
     if a.numel() == 0:
         return True
     return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)))
+
+
+def _more_than_data(torch, ret) -> bool:
+    """Whether a return value holds anything the trusted side would refuse (RemoteFunction._refuse): a tuple or
+    list of a subclass, or a tensor with a note from _not_data."""
+    if isinstance(ret, (tuple, list)) and type(ret) not in (tuple, list):
+        return True
+    items = ret if isinstance(ret, (tuple, list)) else (ret,)
+    with torch._C.DisableTorchFunction():  # a subclass's __torch_function__ has no say in this
+        return any(isinstance(t, torch.Tensor) and _not_data(torch, t) for t in items)
 
 
 def _not_data(torch, t) -> dict:

@@ -18,6 +18,7 @@ from ...slots.outputs import OVERWRITTEN, Kept, is_overwritten_error, output_pro
 from ...rule import rel_error
 from . import checks
 from .inputs import family_seed
+from .longrun import EarlierCall, long_run
 
 REPEATS = 3  # runs of one input for the determinism check
 
@@ -30,7 +31,8 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
     def call(inputs, repeat: int = 0):
         """The candidate on `inputs`, after `repeat` calls on fresh copies of them whose outputs nobody reads (the
         long run's: a failure among those is an EarlierCall)."""
-        out = _repeated(impl.fn, inputs, ctx, repeat) if repeat else impl.fn(*inputs, **ctx)
+        out = _repeated(impl.fn, inputs, ctx, repeat, lambda o, i: output_problem(contract, o, i)) if repeat \
+            else impl.fn(*inputs, **ctx)
         if device == "cuda":
             torch.cuda.synchronize()  # an asynchronous kernel error surfaces here, inside the guard
         said = output_problem(contract, out, inputs)  # plain tensors only (slots/outputs.py)
@@ -50,8 +52,6 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
         return checks._finding("exception", None, f"{when}{checks.one_line(e, slot)}")
 
     if fam.calls > 1:  # the long-run family: many calls, a sample of them judged (longrun.py)
-        from .longrun import long_run
-
         return long_run(contract, fam, seed, device, destination, prepared, call, failed)
 
     with torch.no_grad():
@@ -74,15 +74,6 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
             return out + [checks._finding("overwritten", None, OVERWRITTEN)]
 
 
-class EarlierCall(Exception):
-    """One of a repeated call's earlier calls raised (`_repeated`): `done` of them had returned (None: not known,
-    the kernel server gave no reply), `error` is its."""
-
-    def __init__(self, done: Optional[int], error: BaseException):
-        super().__init__(str(error))
-        self.done, self.error = done, error
-
-
 def _repeats_done(e: BaseException) -> Optional[int]:
     """A kernel server's count of the repeats that returned before `e` (the loader's adapters raise their own
     error from the candidate's), or None where the server gave no reply (it died)."""
@@ -94,29 +85,36 @@ def _repeats_done(e: BaseException) -> Optional[int]:
     return None
 
 
-def _repeated(fn, inputs, ctx, repeat: int):
-    """`fn` on `inputs` after `repeat` calls on fresh copies of them, nobody waiting for those. In a kernel server
+def _repeated(fn, inputs, ctx, repeat: int, problem):
+    """`fn` on `inputs` after `repeat` calls on fresh copies of them, nobody waiting for those; each repeat's
+    outputs must be plain data too (`problem(out, inputs)`: words or None, as every call's). In a kernel server
     (sandbox/) the server makes them (RemoteFunction.repeat_next), each at the cost of the candidate's own call:
     one at a time from here each paid a round trip and a sync (3,000 such calls took 7.8 s in a probe alone on an
     H100 and 18-128 s beside training arms, 2026-11-28). The copies are made where the call is made, after the
     loader's adapters (a destination-passing candidate's outputs are part of its inputs there)."""
     remote = getattr(getattr(fn, "fn", fn), "sandbox", None)  # (the probe's late-write watch wraps the call)
     if remote is not None:
-        remote.repeat_next = repeat
+        remote.repeat_next, remote.repeats_done = repeat, None
         try:
             return fn(*inputs, **ctx)
         except Exception as e:
             done = _repeats_done(e)
+            if done is None:  # raised after the server's reply (the adapters' checks): that reply's count
+                done = remote.repeats_done
             if done is None or done < repeat:
                 raise EarlierCall(done, e) from None
             raise
         finally:
             remote.repeat_next = 0  # (consumed by the call; not left for another should the adapters raise first)
     for i in range(repeat):
+        given = _clone(inputs)
         try:
-            fn(*_clone(inputs), **ctx)
+            out = fn(*given, **ctx)
         except Exception as e:
             raise EarlierCall(i, e) from None
+        said = problem(out, given)
+        if said:
+            raise EarlierCall(i, checks.NotData(said))
     return fn(*inputs, **ctx)
 
 

@@ -57,7 +57,7 @@ class Family:
 
 
 def long_run(fam: Family) -> Family:
-    """`fam` as the long-run family: longrun.CALLS calls on copies of two of its draws, alternating."""
+    """`fam` as the long-run family: longrun.CALLS calls on copies of two of its draws (longrun.py: which)."""
     return replace(fam, name="long-run", shape={**fam.shape, "calls": longrun.CALLS}, deep=False,
                    calls=longrun.CALLS)
 

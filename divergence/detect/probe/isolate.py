@@ -149,7 +149,7 @@ class Worker:
                 self.proc.join(5)
                 code = self.proc.exitcode
                 self.close()
-                memory = died_of_memory(code, self.kills)
+                memory = died_of_memory(code, self.kills, "a machine with more memory")
                 if memory:  # the machine's doing: the family is not judged, nobody is blamed (sweep)
                     raise WorkerDied("memory", f"its process died ({describe_exit(code)}){memory}")
                 raise WorkerDied("crash", f"the candidate's process died: {describe_exit(code)}{_last_line(self.log)}")
@@ -383,8 +383,9 @@ def _start(slot: str, spec, *args) -> Worker:
     try:
         return Worker(slot, spec, *args)
     except WorkerDied as e:
-        raise CandidateError(f"{slot}: candidate {spec}: loading it {'hung' if e.kind == 'timeout' else 'killed'} "
-                             f"its process ({e.why})") from None
+        what = {"timeout": "hung its process", "memory": "ran the machine out of memory"}.get(e.kind,
+                                                                                             "killed its process")
+        raise CandidateError(f"{slot}: candidate {spec}: loading it {what} ({e.why})") from None
 
 
 def load_meta(slot: str, spec, limits: Limits = DEFAULT) -> dict:
@@ -495,7 +496,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             if stopped:
                 notes.append(stopped[1])
                 break
-            tf = time.perf_counter()
+            tf, unjudged = time.perf_counter(), False
             try:
                 if worker is None:
                     worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
@@ -515,7 +516,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
                 worker = None
                 if e.kind == "memory":  # the system's out-of-memory killer: the machine's, not a finding
                     notes.append(f"family {fam.name} ({fam.shape_str()}) {HOST_OUT_OF_MEMORY}: {e.why}")
-                    got = []
+                    got, unjudged = [], True
                 else:
                     dead += 1
                     # The table names the family and shape; identical details merge into one line (run.py).
@@ -525,7 +526,8 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
                                  "error": f["error"], "allowed": f["allowed"], "detail": f["detail"],
                                  "output": f["output"]})
             ran.append({"family": fam.name, "shape": fam.shape_str(), "deep": fam.deep,
-                        "seconds": round(time.perf_counter() - tf, 3), "findings": len(got)})
+                        "seconds": round(time.perf_counter() - tf, 3), "findings": len(got),
+                        **({"unjudged": True} if unjudged else {})})
     finally:
         if worker is not None:
             worker.close()

@@ -11,6 +11,8 @@ contract's shapes take 0.1-1.2 s per slot (swiglu the slowest) and the 63 checks
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import checks
@@ -22,6 +24,15 @@ CHECK_EVERY = 50
 LAST = 3  # the last calls are always checked: a bug that starts late is seen even between two sampled calls
 
 
+class EarlierCall(Exception):
+    """One of a repeated call's earlier calls failed (call.py: `_repeated`): `done` of them had returned (None: not
+    known, the kernel server gave no reply), `error` is its exception."""
+
+    def __init__(self, done: Optional[int], error: BaseException):
+        super().__init__(str(error))
+        self.done, self.error = done, error
+
+
 def checked(k: int, calls: int) -> bool:
     """Whether call k (1-based) of `calls` is judged."""
     return k == 1 or k % CHECK_EVERY == 0 or k > calls - LAST
@@ -31,10 +42,8 @@ def long_run(contract, fam, seed, device, destination, prepared, call, failed) -
     """The family's findings: the first judged call that breaks the rule (or raises), named by its number, with
     the last call that was judged right. `call(inputs, repeat)` runs the candidate on `inputs` after `repeat` calls
     on copies of them (call.py's; an EarlierCall names which of them raised), and waits for the device: the calls
-    between two judged ones go as one such call, so an asynchronous fault shows at the next judged call at the
+    between two judged ones go as one such call, so an asynchronous fault shows at the end of its batch at the
     latest. `failed(e, when)` words an exception."""
-    from .call import EarlierCall
-
     draws = [prepared.get(contract, fam, seed, device), prepared.get(contract, fam, seed, device, again=True)]
     good = 0  # the last judged call that was right
     judged = [k for k in range(1, fam.calls + 1) if checked(k, fam.calls)]

@@ -100,7 +100,9 @@ def _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only
     # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged, nor were the
     # families after a sweep that stopped early (isolate.py): no finding then is no pass
     unsure = [n for n in notes if NOT_ALONE in n or HOST_OUT_OF_MEMORY in n]
-    if stopped:
+    # Families at undeclared shapes (`others`, last in a declared sweep) never count: left unrun, nothing is
+    judged = {r["family"] for r in ran}  # unjudged
+    if stopped and any(f.name not in judged and f.name not in others for f in fams):
         more_time = "; `divergence probe --budget SECONDS` gives it longer" if stopped[0] == "budget" else ""
         unsure.append(f"the sweep did not run to its end: {stopped[1]}{more_time}")
     if verdict == "PASS" and unsure:
@@ -221,8 +223,9 @@ def _num(x) -> str:
 
 
 def _outside(result: dict) -> tuple:
-    """(families without a finding, families whose findings were at undeclared shapes and went to the notes)."""
-    fams = result["families"]
+    """(families judged without a finding, families whose findings were at undeclared shapes and went to the
+    notes); a family left unjudged (its worker ended by the system's out-of-memory killer) is in neither."""
+    fams = [f for f in result["families"] if not f.get("unjudged")]
     return [f["family"] for f in fams if not f["findings"]], [f["family"] for f in fams if f["findings"]]
 
 
