@@ -29,8 +29,8 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
     slot = contract.name
 
     def call(inputs, repeat: int = 0):
-        """The candidate on `inputs`, after `repeat` calls on fresh copies of them whose outputs nobody reads (the
-        long run's: a failure among those is an EarlierCall)."""
+        """The candidate on `inputs`, after `repeat` calls on fresh copies of them whose values nobody judges (the
+        long run's: a failure among those, or outputs that are more than data, is an EarlierCall)."""
         out = _repeated(impl.fn, inputs, ctx, repeat, lambda o, i: output_problem(contract, o, i)) if repeat \
             else impl.fn(*inputs, **ctx)
         if device == "cuda":

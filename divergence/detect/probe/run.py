@@ -100,8 +100,9 @@ def _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only
     # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged, nor were the
     # families after a sweep that stopped early (isolate.py): no finding then is no pass
     unsure = [n for n in notes if NOT_ALONE in n or HOST_OUT_OF_MEMORY in n]
-    # Families at undeclared shapes (`others`, last in a declared sweep) never count: left unrun, nothing is
-    judged = {r["family"] for r in ran}  # unjudged
+    # Families at undeclared shapes (`others`, last in a declared sweep) never count: a sweep stopped among them
+    # alone left nothing unjudged
+    judged = {r["family"] for r in ran}
     if stopped and any(f.name not in judged and f.name not in others for f in fams):
         more_time = "; `divergence probe --budget SECONDS` gives it longer" if stopped[0] == "budget" else ""
         unsure.append(f"the sweep did not run to its end: {stopped[1]}{more_time}")
