@@ -39,7 +39,7 @@ def test_a_layout_is_learnt_from_two_plain_calls_and_says_which_buffers_are_kept
     p.learn(sig, reply(tokens=(7, 9)))  # the first buffer returned again, the second fresh
     lay = p.layout(sig)
     # the kept buffer due again; the other fresh
-    assert lay["next"] == [7, None] and [h[-1] for h in lay["history"]] == [7, 9]
+    assert Pipeline.due(lay) == [7, None] and [h[-1] for h in lay["history"]] == [7, 9]
     assert [d["via"] for d in lay["storages"]] == ["staged", "staged"]
     # A CPU tensor among the inputs: its bytes (and the candidate's writes into it) come back only in the reply
     assert signature({"t": 0}, {"D": []}, [{"s": 0}], [{"n": 256, "dev": "cpu", "via": "buf"}]) is None
@@ -70,14 +70,14 @@ def test_a_layout_follows_a_candidate_that_turns_to_a_ring_of_buffers():
     p.learn("s", reply(tokens=(7,)))
     p.learn("s", reply(tokens=(8,)))
     lay = p.layout("s")
-    assert lay["next"] == [None]
+    assert Pipeline.due(lay) == [None]
     for tok, due in [(7, None), (8, 7), (7, 8), (8, 7)]:  # after two periods of two, the one due comes back
         p.observe(lay, 0, tok)
-        assert lay["next"] == [due] and lay["history"][0][-1] == tok
+        assert Pipeline.due(lay) == [due] and lay["history"][0][-1] == tok
     assert len(lay["history"][0]) == 6
     for tok in range(100, 120):
         p.observe(lay, 0, tok)
-    assert lay["next"] == [None] and len(lay["history"][0]) == 8  # bounded: two periods of RING
+    assert Pipeline.due(lay) == [None] and len(lay["history"][0]) == 8  # bounded: two periods of RING
 
 
 @pytest.mark.parametrize("odd", [
@@ -362,7 +362,7 @@ def test_a_wrong_prediction_is_counted_and_leaves_no_two_buffers_of_theirs_in_on
     p.learn("s", reply(tokens=(7,)))
     p.learn("s", reply(tokens=(7,)))
     lay = p.layout("s")
-    assert lay["next"] == [7]
+    assert Pipeline.due(lay) == [7]
     server = KernelServer.__new__(KernelServer)  # its bookkeeping alone: no process
     server.mirrors, server.platform, server._pipe = {}, {}, p
     kept = torch.UntypedStorage(256)
@@ -372,4 +372,4 @@ def test_a_wrong_prediction_is_counted_and_leaves_no_two_buffers_of_theirs_in_on
     server._learn_tokens(reply(tokens=(9,)), {"layout": lay, "mirrors": {0: kept}, "due": [7]})
     assert server.platform["pipeline_mispredicted"] == 1
     assert server._mirror_of(9) is kept and server._mirror_of(7) is None
-    assert lay["next"] == [None] and lay["history"][0][-1] == 9
+    assert Pipeline.due(lay) == [None] and lay["history"][0][-1] == 9

@@ -322,6 +322,7 @@ class KernelServer:
         self.overlap = False
         self._state_synced = None  # our global state when the last call ended well, the server's the same
         self.calls_made = 0  # calls that returned, the echo of _ipc_works included (the timing leaves it out)
+        self.repeats_done: Optional[int] = None  # the last call's repeats that returned, as its reply said (call)
         self._ready: dict = {}  # device index -> (our interprocess "inputs staged" event, its handle in hex)
         self._theirs: dict = {}  # (device, handle) -> the server's "outputs ready" event, opened here once
         self._held: list = []  # (event, [their storages]): mapped until our copies from them are done
@@ -464,10 +465,11 @@ class KernelServer:
              repeat: int = 0) -> tuple:
         """(the candidate's return value rebuilt here, [(where, index)] of what changed `watch` seconds after it
         returned, the server's notes on what it returned) for one call; the candidate's exception re-raised.
-        `repeat`: calls the server makes first, each on fresh copies of these inputs, their outputs not sent
-        (kernel_server.Server.repeat_calls); an exception then carries `repeats_done`, the calls that returned
-        before it (`repeat` where this call's own raised)."""
+        `repeat`: calls the server makes first, each on fresh copies of these inputs, only what they carry beyond
+        their values looked at (kernel_server.Server.repeat_calls); how many returned, as the reply said, is then in
+        `repeats_done` (None where no reply said: the server died first, or could not read the request)."""
         with self.lock:
+            self.repeats_done = None
             if self.closed:
                 raise CandidateError(f"{self.where}: the kernel server is closed")
             self.settle()  # the last call's reply, where it was pipelined
@@ -520,12 +522,11 @@ class KernelServer:
                 err = h.get("error") or {}
                 self.platform["overlap_error"] = f"{wire.safe_name(err.get('type'))}: {err.get('msg', '')}"[:300]
                 return self.call(args, kwargs, watch, echo, repeat)
+            if repeat and "repeats_done" in h:
+                self.repeats_done = wire._int(h["repeats_done"])
             if not h.get("ok"):
-                e = _exception(h.get("error") or {}, self.where)
-                if repeat and "repeats_done" in h:
-                    e.repeats_done = wire._int(h["repeats_done"])
-                raise e
-            self.calls_made += 1 + (wire._int(h.get("repeats_done", 0)) if repeat else 0)
+                raise _exception(h.get("error") or {}, self.where)
+            self.calls_made += 1 + (self.repeats_done or 0)
             if ready is not None:
                 self._pipe.learn(sig, h)
             # Both sides' global state is now the same (theirs changes came back and were set here): the next call
@@ -537,8 +538,6 @@ class KernelServer:
                 self.timing.add(t1 - t0, t2 - t1, time.perf_counter() - t2, h, overlapped=ready is not None)
             late = [(w, i) for w, i in (h.get("late") or []) if w in ("ret", "arg") and type(i) is int]
             notes = {"outputs": h.get("out_tensors") or [], "ret": h["ret"], "hooks": h.get("hooks") or []}
-            if repeat:  # fewer than asked: what came back is that repeat's, which returned more than data
-                notes["repeats_done"] = wire._int(h.get("repeats_done", repeat))
             return ret, late, notes
 
     def _pipelined(self, t0: float, sig: str, layout: dict, device, header: dict, bufs: list, groups: list,
@@ -552,7 +551,7 @@ class KernelServer:
         # ("build" is set once the outputs are built; a failed device wait below settles this call before that)
         # `due`: the buffer predicted in each output storage's place (pipeline.next_token), checked at the reply
         pending = {"seq": self._pipe.seq, "device": device, "layout": layout, "synced": synced, "sig": sig,
-                   "mirrors": {}, "send": t1 - t0, "build": 0.0, "due": list(layout["next"])}
+                   "mirrors": {}, "send": t1 - t0, "build": 0.0, "due": self._pipe.due(layout)}
         self._pipe.pending = pending
         self._pipe.watch(self.proc)
         read = False  # whether this call's reply was read before its outputs were built
@@ -628,8 +627,8 @@ class KernelServer:
 
     def _learn_tokens(self, h: dict, pending: dict) -> None:
         """The buffers of the server's that the pipelined call returned: our storage each came into is the one
-        that buffer comes back into from now on (as _mirror keeps them); and the layout's next buffers predicted
-        again (Pipeline.observe)."""
+        that buffer comes back into from now on (as _mirror keeps them); and each token added to the layout's
+        history, which the next call's prediction reads (Pipeline.observe, Pipeline.due)."""
         layout = pending["layout"]
         for j, d in enumerate(h.get("out_storages") or []):
             if d.get("via") == "input":
@@ -1053,29 +1052,23 @@ class RemoteFunction:
         self.__name__ = self.__qualname__ = f"{contract.name}:{name}"
         self.watch_next, self.late = 0.0, []
         # Calls the server makes before the next one, on copies of its inputs as they come (the probe's long run:
-        # KernelServer.call's `repeat`); how many of them returned, as the server's reply said (None before it)
-        self.repeat_next, self.repeats_done = 0, None
+        # KernelServer.call's `repeat`, whose `repeats_done` says how many returned)
+        self.repeat_next = 0
 
     def __call__(self, *args, **kwargs):
         watch, self.watch_next = self.watch_next, 0.0
         repeat, self.repeat_next = self.repeat_next, 0
-        self.repeats_done = None  # the server's count of this call's repeats that returned, once it has replied
         try:
             ret, late, notes = self.server.call(args, kwargs, watch=watch, repeat=repeat)
         except LateOutputs as e:  # the call before this one (pipelined): a subclass, hooks, in their words
             self._late(e, args)
         self.late = [self._name(w, i, args, kwargs, notes) for w, i in late]
-        self.repeats_done = notes.get("repeats_done", repeat)
-        try:
-            self._refuse(ret, notes, args)
-        except OutputError as e:
-            e.repeats_done = self.repeats_done
-            raise
-        if self.repeats_done < repeat:  # (the server's word that a repeat returned more than data, unconfirmed)
-            e = OutputError(f"{self.contract.name}: candidate {self.name}: a repeated call returned more than "
-                            "plain tensors")
-            e.repeats_done = self.repeats_done
-            raise e
+        self._refuse(ret, notes, args)
+        done = self.server.repeats_done
+        if repeat and done is not None and done < repeat:  # a repeat's return value, which the server said was
+            # more than data (and _refuse did not find so)
+            raise OutputError(f"{self.contract.name}: candidate {self.name}: a repeated call returned more than "
+                              "plain tensors")
         return ret
 
     def settle(self) -> None:

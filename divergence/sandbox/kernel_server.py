@@ -720,6 +720,7 @@ class Server:
         self.pipe_flags = {}  # device -> the trusted side's flag word, mapped
         self.pipe_outs = {}  # the trusted side's buffer number -> that output buffer, mapped
         self.pipe_now = None  # this call's (device, flag storage, number) until the flag is written
+        self.repeats_done = None  # this call's repeats that returned (repeat_calls), said with every reply to it
 
     def serve(self):
         hello = recv_header(self.conn)
@@ -868,6 +869,8 @@ class Server:
         bufs = list(bufs)
         tensors = []
         reply["state"] = pack(self.torch, reply.get("state") or {}, tensors) if self.state else {"D": []}
+        if self.repeats_done is not None:
+            reply["repeats_done"] = self.repeats_done
         reply["state_tensors"] = []
         for t in tensors:
             t = t.detach().cpu().contiguous()
@@ -934,6 +937,7 @@ class Server:
             # device); where even that fails (a context the candidate broke), the caller writes it itself once it
             # reads the error
             self.signal_pipe()
+            self.repeats_done = None
 
     def pipe_targets(self, pipe, dev):
         """The output buffers of a pipelined call, in order (mapping those sent for the first time); its flag
@@ -1003,7 +1007,8 @@ class Server:
         # left here is the base: a change made between calls (a thread of the candidate's) goes back with this one's
         before = self.after_last if want is None and self.after_last is not None else self.state["snapshot"]()
         t_repeat = time.perf_counter()
-        done, failed, early = self.repeat_calls(fn, args, kwargs, repeat) if repeat else (0, None, None)
+        self.repeats_done, failed, early = self.repeat_calls(fn, args, kwargs, repeat) if repeat else \
+            (None, None, None)
         t_run = time.perf_counter()
         request_s = t_repeat - t_request
         try:
@@ -1013,8 +1018,6 @@ class Server:
             ret = fn(*args, **kwargs) if early is None else early
         except BaseException as e:  # noqa: BLE001 - the candidate's exception is its finding
             reply, bufs = {"ok": False, "stage": "call", "error": error_info(e)}, []
-            if repeat:
-                reply["repeats_done"] = done
             del e, failed
             try:
                 reply["state"] = self.state_changes(before)
@@ -1058,8 +1061,6 @@ class Server:
                                "state": reply.get("state") or {}, "changed": []})
         del ret, out_tensors
         reply["request_s"], reply["pack_s"] = request_s, time.perf_counter() - t_run - reply["run_s"]
-        if repeat:
-            reply["repeats_done"] = done
         self.reply(reply, bufs + more)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             try:

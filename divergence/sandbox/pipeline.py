@@ -145,10 +145,9 @@ class Pipeline:
                  and not (isinstance(top, dict) and "cls" in top) and not h.get("hooks") and not h.get("changed"))
         if not plain or prev is None or any(prev[k] != now[k] for k in ("ret", "tensors", "storages")):
             return
-        # Per output storage, the tokens its calls returned there (the last one last) and the buffer due next
+        # Per output storage, the tokens its calls returned there (the last one last): what `due` predicts from
         history = [[p, t] for p, t in zip(prev["tokens"], now["tokens"])]
-        self.layouts[sig] = {"ret": top, "tensors": now["tensors"], "storages": now["storages"], "history": history,
-                             "next": [next_token(h) for h in history]}
+        self.layouts[sig] = {"ret": top, "tensors": now["tensors"], "storages": now["storages"], "history": history}
         self.layouts.move_to_end(sig)
         while len(self.layouts) > MAX_LAYOUTS:
             old, _ = self.layouts.popitem(last=False)
@@ -156,13 +155,16 @@ class Pipeline:
                 self.drop.append(self.buffers.pop(key)[0])
 
     @staticmethod
+    def due(layout: dict) -> list:
+        """Per output storage of `layout`, the buffer its next call will return there (next_token), or None."""
+        return [next_token(h) for h in layout["history"]]
+
+    @staticmethod
     def observe(layout: dict, j: int, token) -> None:
-        """A pipelined call's reply returned `token` in output storage `j`'s place: the layout's next buffer there
-        predicted again."""
+        """A pipelined call's reply returned `token` in output storage `j`'s place (two periods of RING kept)."""
         history = layout["history"][j]
         history.append(token)
         del history[:-2 * RING]
-        layout["next"][j] = next_token(history)
 
     # -- a call
 

@@ -8,7 +8,6 @@ into those in place, as an optimizer step writes them (`stale_weights`). Every c
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
 
 import torch
 
@@ -74,17 +73,6 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
             return out + [checks._finding("overwritten", None, OVERWRITTEN)]
 
 
-def _repeats_done(e: BaseException) -> Optional[int]:
-    """A kernel server's count of the repeats that returned before `e` (the loader's adapters raise their own
-    error from the candidate's), or None where the server gave no reply (it died)."""
-    while e is not None:
-        done = getattr(e, "repeats_done", None)
-        if done is not None:
-            return done
-        e = e.__cause__
-    return None
-
-
 def _repeated(fn, inputs, ctx, repeat: int, problem):
     """`fn` on `inputs` after `repeat` calls on fresh copies of them, nobody waiting for those; each repeat's
     outputs must be plain data too (`problem(out, inputs)`: words or None, as every call's). In a kernel server
@@ -94,13 +82,11 @@ def _repeated(fn, inputs, ctx, repeat: int, problem):
     loader's adapters (a destination-passing candidate's outputs are part of its inputs there)."""
     remote = getattr(getattr(fn, "fn", fn), "sandbox", None)  # (the probe's late-write watch wraps the call)
     if remote is not None:
-        remote.repeat_next, remote.repeats_done = repeat, None
+        remote.repeat_next, remote.server.repeats_done = repeat, None
         try:
             return fn(*inputs, **ctx)
-        except Exception as e:
-            done = _repeats_done(e)
-            if done is None:  # raised after the server's reply (the adapters' checks): that reply's count
-                done = remote.repeats_done
+        except Exception as e:  # the server's reply said how many repeats returned (None: no reply to say it)
+            done = remote.server.repeats_done
             if done is None or done < repeat:
                 raise EarlierCall(done, e) from None
             raise
