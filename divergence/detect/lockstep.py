@@ -35,7 +35,7 @@ import torch
 from ..candidates import globalstate
 from ..slots import SLOTS, bitwise
 from ..errors import OutputError, one_line
-from ..slots.contract import as_tuple, oracle_inputs
+from ..slots.contract import as_tuple, copies, oracle_inputs
 from ..slots.outputs import OVERWRITTEN, Flags, Kept, is_overwritten_error
 from .. import rule
 from .buckets import bucket_rows
@@ -113,8 +113,7 @@ class Lockstep:
             # names it and puts it back (candidates/globalstate.py: 12.5 us a snapshot and comparison, CPU).
             self.state = globalstate.snapshot()
             with torch.no_grad():
-                self.given = (self.rec.current_step,
-                              [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+                self.given = (self.rec.current_step, list(copies(inputs)))
 
     def tap(self, slot, inputs, cand_out):
         step = self.rec.current_step

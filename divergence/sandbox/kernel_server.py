@@ -1207,7 +1207,8 @@ class _NoEvents(Exception):
 
 
 def _fresh(torch, tree):
-    """A copy of a call's inputs for one more call (Server.repeat_calls): every tensor cloned, the rest as it is."""
+    """A copy of a call's inputs for one more call (Server.repeat_calls): every tensor cloned, the rest as it is
+    (slots/contract.copies does the same on the trusted side, which this file may not import)."""
     if isinstance(tree, torch.Tensor):
         return tree.detach().clone().requires_grad_(tree.requires_grad)
     if isinstance(tree, (tuple, list)):

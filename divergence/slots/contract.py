@@ -58,6 +58,11 @@ def as_tuple(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def copies(inputs: Sequence) -> tuple:
+    """A call's inputs again, each tensor a fresh copy (what an implementation may write into), the rest as is."""
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
 def oracle_inputs(contract: Contract, inputs: Sequence) -> list:
     """Float tensors promoted to float64; indices and scalars untouched. Where the contract's oracle promotes its
     inputs itself, piece by piece (`oracle_promotes`), they go as they are, detached."""

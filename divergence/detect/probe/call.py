@@ -12,7 +12,7 @@ from collections import OrderedDict
 import torch
 
 from ...errors import OutputError
-from ...slots.contract import as_tuple, oracle_inputs
+from ...slots.contract import as_tuple, copies, oracle_inputs
 from ...slots.outputs import OVERWRITTEN, Kept, is_overwritten_error, output_problem
 from ...rule import rel_error
 from . import checks
@@ -54,7 +54,7 @@ def probe_family(contract, impl, fam, seed, device, destination, prepared: "Prep
         return long_run(contract, fam, seed, device, destination, prepared, call, failed)
 
     with torch.no_grad():
-        given = _clone(kept)
+        given = copies(kept)
         try:
             cand = call(given)
         except Exception as e:
@@ -93,7 +93,7 @@ def _repeated(fn, inputs, ctx, repeat: int, problem):
         finally:
             remote.repeat_next = 0  # (consumed by the call; not left for another should the adapters raise first)
     for i in range(repeat):
-        given = _clone(inputs)
+        given = copies(inputs)
         try:
             out = fn(*given, **ctx)
         except Exception as e:
@@ -115,7 +115,7 @@ def _later_calls(contract, call, failed, kept, given, cand, orc, errs, prepared,
     # Determinism, and equal values in fresh storage: the same input, copied afresh, run again.
     runs, alive = [cand], []  # the copies stay alive, so later fresh tensors cannot take their addresses
     for k in range(REPEATS - 1):
-        alive.append(_clone(kept))
+        alive.append(copies(kept))
         try:
             runs.append(call(alive[-1]))
         except Exception as e:
@@ -145,7 +145,7 @@ def _later_calls(contract, call, failed, kept, given, cand, orc, errs, prepared,
     for check, inputs, when, how in (
             ("reuse", lambda: reused, "new values in reused storage: ",
              "new values in the storage of the previous call's inputs"),
-            ("fresh_storage", lambda: _clone(new), "new values in fresh storage: ",
+            ("fresh_storage", lambda: copies(new), "new values in fresh storage: ",
              "new values in fresh tensors after earlier calls")):
         try:
             got = call(inputs())
@@ -207,7 +207,3 @@ def _worse_order(ref: tuple, other: tuple, orc: tuple) -> tuple:
     """Per output, the reference's or the same sum's in another order (Contract.orders), whichever is further from
     the oracle: the envelope every check of the probe measures against (slots/reduce.py: why)."""
     return tuple(o if o is not None and rel_error(o, x) > rel_error(r, x) else r for r, o, x in zip(ref, other, orc))
-
-
-def _clone(inputs) -> tuple:
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)

@@ -21,7 +21,7 @@ import torch
 
 from ...candidates.definition import Definition, DefinitionError, mapping
 from ...errors import one_line
-from ...slots.contract import as_tuple, oracle_inputs
+from ...slots.contract import as_tuple, copies, oracle_inputs
 from ...slots.problems import CONSTANT_INPUTS, PROBLEMS, adapted, declare_inputs
 from ...rule import allowed
 from . import checks
@@ -123,7 +123,7 @@ def cross_check(defn: Definition, slot: str, shapes: dict, device: str = "cpu", 
         orc = as_tuple(contract.oracle(*oracle_inputs(contract, inputs), **ctx))
         ref = as_tuple(contract.reference(*inputs, **ctx))
         try:
-            got = as_tuple(run(*(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)))
+            got = as_tuple(run(*copies(inputs)))
         except Exception as e:
             msg = str(e).strip().splitlines()
             raise DefinitionError(f"{defn.path}: the definition's reference fails on the slot's inputs at "

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ...slots.contract import copies
 from . import checks
 
 # Calls per long run: past 2,048 (a power-of-two ring of workspaces wraps there) and the 500-call warm-ups seen in
@@ -53,7 +54,7 @@ def long_run(contract, fam, seed, device, destination, prepared, call, failed) -
             if k - last > 1:  # calls last+1 .. k-1, unjudged, on the other draw than call k's
                 first = last + 1
                 try:
-                    call(_copies(draws[(k - 1) % 2][0].inputs), repeat=k - 1 - first)
+                    call(copies(draws[(k - 1) % 2][0].inputs), repeat=k - 1 - first)
                 except Exception as e:
                     n = (f"call {k - 1}" if not isinstance(e, EarlierCall) else f"call {first + e.done}"
                          if e.done is not None else f"one of calls {first}-{k - 1}")
@@ -61,7 +62,7 @@ def long_run(contract, fam, seed, device, destination, prepared, call, failed) -
             last = k
             case, orc, ref = draws[k % 2]
             try:
-                out = call(_copies(case.inputs))
+                out = call(copies(case.inputs))
             except Exception as e:
                 return [failed(e, f"call {k} of {fam.calls}{_since(good)}: ")]
             found, _ = checks.accuracy(contract, out, ref, orc, case.rows, destination)
@@ -69,10 +70,6 @@ def long_run(contract, fam, seed, device, destination, prepared, call, failed) -
                 return [dict(f, detail=f"call {k} of {fam.calls}{_since(good)}: {f['detail']}") for f in found]
             good = k
     return []
-
-
-def _copies(inputs) -> tuple:
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
 def _since(good: int) -> str:
