@@ -9,7 +9,7 @@ sent. The parent watches it:
 - a worker that dies (a signal, `os._exit`, a segfault, an abort) is a `crash` finding naming the family, its
   shape and the exit status or signal; one the system's out-of-memory killer ended (SIGKILL while its count in
   /proc/vmstat grew: contain.died_of_memory) is the machine's, not the candidate's: that family is not judged
-  (HOST_OUT_OF_MEMORY in a note) and the verdict INCONCLUSIVE;
+  (its record's `unjudged` says why) and the verdict INCONCLUSIVE;
 - after a CUDA error inside a family (the context is then unusable) the worker finishes that family's findings and
   exits;
 and in each case the next family runs in a fresh worker. The worker's stdout and stderr (the candidate's prints, a
@@ -496,7 +496,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             if stopped:
                 notes.append(stopped[1])
                 break
-            tf, unjudged = time.perf_counter(), False
+            tf, unjudged = time.perf_counter(), None  # why this family was not judged, if it was not
             try:
                 if worker is None:
                     worker = Worker(slot, spec, device, seed, fams, log, limits, rebuild, prepared)
@@ -515,8 +515,9 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
             except WorkerDied as e:
                 worker = None
                 if e.kind == "memory":  # the system's out-of-memory killer: the machine's, not a finding
-                    notes.append(f"family {fam.name} ({fam.shape_str()}) {HOST_OUT_OF_MEMORY}: {e.why}")
-                    got, unjudged = [], True
+                    unjudged = f"family {fam.name} ({fam.shape_str()}) {HOST_OUT_OF_MEMORY}: {e.why}"
+                    notes.append(unjudged)
+                    got = []
                 else:
                     dead += 1
                     # The table names the family and shape; identical details merge into one line (run.py).
@@ -527,7 +528,7 @@ def sweep(slot, spec, fams, seed, device, budget, notes, log: Path, limits: Opti
                                  "output": f["output"]})
             ran.append({"family": fam.name, "shape": fam.shape_str(), "deep": fam.deep,
                         "seconds": round(time.perf_counter() - tf, 3), "findings": len(got),
-                        **({"unjudged": True} if unjudged else {})})
+                        **({"unjudged": unjudged} if unjudged else {})})
     finally:
         if worker is not None:
             worker.close()

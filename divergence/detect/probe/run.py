@@ -27,7 +27,7 @@ from ...errors import UserError
 from ...rule import RATIO
 from . import checks, isolate
 from . import shapes as shaped
-from .isolate import HOST_OUT_OF_MEMORY, NOT_ALONE
+from .isolate import NOT_ALONE
 from .magnitudes import compact
 
 BUDGET_S = {"cpu": 60.0, "cuda": 30.0}  # the time a default sweep is given, per kernel
@@ -97,13 +97,13 @@ def _probe(slot, contract, candidate_spec, out_dir, seed, device, budget_s, only
     notes = list(notes) + list(impl.get("settings") or [])  # process-wide settings the candidate made at import
     findings = _merge_exceptions(findings)
     verdict, findings, more = shaped.judge(contract, fams, findings, shapes, others)
-    # A family that ran out of GPU memory beside other work and never had the GPU alone was not judged, nor were the
-    # families after a sweep that stopped early (isolate.py): no finding then is no pass
-    unsure = [n for n in notes if NOT_ALONE in n or HOST_OUT_OF_MEMORY in n]
-    # Families at undeclared shapes (`others`, last in a declared sweep) never count: a sweep stopped among them
-    # alone left nothing unjudged
-    judged = {r["family"] for r in ran}
-    if stopped and any(f.name not in judged and f.name not in others for f in fams):
+    # Not judged, and no finding then is no pass (isolate.py): a family that ran out of GPU memory beside other work
+    # and never had the GPU alone; one whose worker the out-of-memory killer ended; those after a sweep that stopped
+    # early. Families at undeclared shapes (`others`, last in a declared sweep) never count, judged or not.
+    unsure = [n for n in notes if NOT_ALONE in n] + [r["unjudged"] for r in ran
+                                                      if r.get("unjudged") and r["family"] not in others]
+    ran_names = {r["family"] for r in ran}
+    if stopped and any(f.name not in ran_names and f.name not in others for f in fams):
         more_time = "; `divergence probe --budget SECONDS` gives it longer" if stopped[0] == "budget" else ""
         unsure.append(f"the sweep did not run to its end: {stopped[1]}{more_time}")
     if verdict == "PASS" and unsure:
@@ -225,7 +225,8 @@ def _num(x) -> str:
 
 def _outside(result: dict) -> tuple:
     """(families judged without a finding, families whose findings were at undeclared shapes and went to the
-    notes); a family left unjudged (its worker ended by the system's out-of-memory killer) is in neither."""
+    notes); a family left unjudged (its record's `unjudged`: the out-of-memory killer ended its worker) is in
+    neither."""
     fams = [f for f in result["families"] if not f.get("unjudged")]
     return [f["family"] for f in fams if not f["findings"]], [f["family"] for f in fams if f["findings"]]
 
