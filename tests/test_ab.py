@@ -667,7 +667,7 @@ def test_a_pre_started_arm_sets_up_while_another_trains_and_trains_the_same(tmp_
     # The first started at once; each other one was pre-started and waited, set up, for its turn. How long it
     # waited is not asserted: on a loaded machine an arm's set-up can take as long as the arm before it trains
     # (CI, two test workers on two cores: the third arm waited 0.05 s).
-    assert held[0] is None and all(h is not None and h >= 0 for h in held[1:]), held
+    assert held[0] is None and None not in held[1:], held
     assert all(plain[j.key]["timings"].get("held_s") is None for j in plain_jobs)
     for a, b in zip(jobs, plain_jobs):
         assert read_metrics(a.out_dir / "metrics.jsonl") == read_metrics(b.out_dir / "metrics.jsonl")
